@@ -1,0 +1,385 @@
+"""The ``pacerd`` command: parsing, printing and exit codes only.
+
+Every verb takes ``-c/--config`` (default ``$PACERD_CONFIG``, else
+``/etc/pacerd/pacerd.toml``). Errors are one line on stderr and a non-zero exit
+(1 for an operational error, 2 for bad usage, 78 for a bad config), never a
+traceback unless ``--debug``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import sys
+import traceback
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from pacerd import __version__
+from pacerd.clock import SystemClock
+from pacerd.errors import ConfigError, PacerdError
+
+if TYPE_CHECKING:
+    from pacerd.config import Config
+    from collections.abc import Awaitable, Callable, Sequence
+
+EX_OK = 0
+EX_FAILURE = 1
+EX_USAGE = 2
+EX_CONFIG = 78
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+class UsageError(PacerdError):
+    """The command line is invalid."""
+
+
+def parse_moment(text: str, *, now: dt.datetime) -> dt.datetime:
+    """An ISO-8601 timestamp, or a duration ago (``30m``, ``2h``, ``7d``)."""
+    match = _DURATION.match(text.strip())
+    if match:
+        return now - dt.timedelta(seconds=float(match.group(1)) * _UNIT_SECONDS[match.group(2)])
+    try:
+        moment = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise UsageError(
+            f"{text!r} is neither an ISO-8601 time nor a duration like 30m, 2h, 7d"
+        ) from None
+    return moment if moment.tzinfo else moment.replace(tzinfo=dt.UTC)
+
+
+def _json_arg(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{what} is not valid JSON: {exc}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "-c", "--config", help="config file (default $PACERD_CONFIG, else /etc/pacerd/pacerd.toml)"
+    )
+    common.add_argument("--debug", action="store_true", help="show tracebacks")
+
+    parser = argparse.ArgumentParser(
+        prog="pacerd",
+        description="Release due work from a PostgreSQL ledger into RabbitMQ"
+        " at the pace the upstream can absorb.",
+        parents=[common],
+    )
+    parser.add_argument("--version", action="version", version=f"pacerd {__version__}")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    run = verbs.add_parser("run", parents=[common], help="run the daemon")
+    run.add_argument(
+        "--shadow", action="store_true", help="compute decisions, claim and publish nothing"
+    )
+    verbs.add_parser("migrate", parents=[common], help="create or upgrade the ledger schema")
+    verbs.add_parser(
+        "check-config", parents=[common], help="validate the config file; change nothing"
+    )
+
+    status = verbs.add_parser(
+        "status", parents=[common], help="per-destination state of the ledger"
+    )
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("--watch", action="store_true", help="refresh live in the terminal")
+    status.add_argument(
+        "--interval", type=float, default=1.0, help="--watch refresh seconds (default 1)"
+    )
+
+    schedule = verbs.add_parser("schedule", parents=[common], help="schedule or revise a job")
+    schedule.add_argument("job_id")
+    schedule.add_argument("--kind", required=True)
+    schedule.add_argument("--destination", required=True)
+    schedule.add_argument("--payload", default="{}", help="JSON payload (default {})")
+    when = schedule.add_mutually_exclusive_group()
+    when.add_argument("--eligible-at", help="ISO-8601 time the job becomes due (default now)")
+    when.add_argument("--delay", type=float, help="seconds from now until the job is due")
+    schedule.add_argument("--revision", type=int, default=0)
+    schedule.add_argument("--max-attempts", type=int)
+
+    cancel = verbs.add_parser("cancel", parents=[common], help="cancel a job")
+    cancel.add_argument("job_id")
+    cancel.add_argument("--reason", help="kept in the job's history")
+
+    replay = verbs.add_parser(
+        "replay", parents=[common], help="replay dead jobs through normal admission"
+    )
+    replay.add_argument("job_id", nargs="?", help="one job; or select by filter")
+    replay.add_argument("--reason", required=True, help="kept in each job's history (required)")
+    _add_dead_filter(replay)
+    replay.add_argument("--dry-run", action="store_true", help="only count what would be replayed")
+    replay.add_argument(
+        "--limit", type=int, default=10_000, help="replay at most this many (default 10000)"
+    )
+
+    dead = verbs.add_parser("dead", parents=[common], help="list dead jobs with their last error")
+    _add_dead_filter(dead)
+    dead.add_argument("--limit", type=int, default=50)
+    dead.add_argument("--json", action="store_true")
+
+    show = verbs.add_parser("show", parents=[common], help="a job's state and full history")
+    show.add_argument("job_id")
+    show.add_argument("--json", action="store_true")
+
+    for verb, text in (
+        ("pause", "pause admission (durable, every instance)"),
+        ("resume", "resume admission"),
+    ):
+        p = verbs.add_parser(verb, parents=[common], help=text)
+        p.add_argument("--destination", help="one destination (default: all, present and future)")
+
+    worker = verbs.add_parser("worker", parents=[common], help="run a Python worker process")
+    worker.add_argument(
+        "--app", required=True, help="module:attribute of a pacerd.worker.WorkerApp"
+    )
+    return parser
+
+
+def _add_dead_filter(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--destination")
+    p.add_argument("--kind")
+    p.add_argument("--error", help="last error contains this text")
+    p.add_argument(
+        "--dead-since", help="dead since an ISO-8601 time or a duration ago (30m, 2h, 7d)"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _dispatch(args)
+    except ConfigError as exc:
+        print(f"pacerd: {exc}", file=sys.stderr)
+        return EX_CONFIG
+    except UsageError as exc:
+        print(f"pacerd: error: {exc}", file=sys.stderr)
+        return EX_USAGE
+    except PacerdError as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(f"pacerd: error: {exc}", file=sys.stderr)
+        return EX_FAILURE
+    except KeyboardInterrupt:
+        return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    from pacerd import config as config_module
+
+    environ = dict(os.environ)
+    path = args.config or config_module.default_config_path(environ)
+    explicit = bool(args.config or environ.get("PACERD_CONFIG"))
+    if not explicit and not os.path.exists(path):
+        path = None  # no file anywhere: the defaults (and PACERD_* overrides) apply
+    cfg = config_module.load_config(path, environ)
+
+    if args.verb == "check-config":
+        print(f"{path or 'defaults'}: ok")
+        print(f"  database: {cfg.redacted_dsn()}")
+        print(f"  broker:   {cfg.redacted_broker_url()}")
+        print(
+            f"  pacing:   mode={cfg.pacing.mode} tick={cfg.pacing.tick_seconds}s "
+            f"rate={cfg.pacing.initial_rate}/s in [{cfg.pacing.min_rate}, {cfg.pacing.max_rate}]"
+        )
+        for name in sorted(cfg.destinations):
+            print(f"  destination {name}: queue {cfg.queue_for(name)}")
+        return EX_OK
+    if args.verb == "run":
+        from pacerd import daemon
+
+        return daemon.main(cfg, config_path=path, shadow=args.shadow)
+    if args.verb == "worker":
+        from pacerd import worker
+
+        return worker.main(cfg, app_ref=args.app)
+    if args.verb == "status" and args.watch:
+        from pacerd import statusview
+
+        return anyio.run(statusview.watch, cfg.database.dsn, args.interval)
+    handler = _ASYNC_VERBS[args.verb]
+    return anyio.run(handler, cfg, args)
+
+
+async def _with_client(cfg: Config, body: Callable[[Any], Awaitable[int]]) -> int:
+    from pacerd.client import Client
+
+    client = await Client.connect(cfg.database.dsn)
+    try:
+        return await body(client)
+    finally:
+        await client.close()
+
+
+async def _migrate(cfg: Config, args: argparse.Namespace) -> int:
+    from pacerd import ledger
+
+    applied = await ledger.migrate(cfg.database.dsn)
+    led = await ledger.Ledger.connect(cfg.database.dsn, max_size=2)
+    try:
+        await led.write_settings(ledger.settings_from_retry(cfg.retry))
+    finally:
+        await led.close()
+    if applied:
+        for name in applied:
+            print(f"applied {name}")
+    else:
+        print("ledger schema is up to date")
+    return EX_OK
+
+
+async def _schedule(cfg: Config, args: argparse.Namespace) -> int:
+    async def body(client: Any) -> int:
+        eligible_at = None
+        if args.eligible_at:
+            eligible_at = parse_moment(args.eligible_at, now=SystemClock().now())
+        elif args.delay is not None:
+            eligible_at = SystemClock().now() + dt.timedelta(seconds=args.delay)
+        result = await client.schedule(
+            args.job_id,
+            kind=args.kind,
+            destination=args.destination,
+            payload=_json_arg(args.payload, "--payload"),
+            eligible_at=eligible_at,
+            revision=args.revision,
+            max_attempts=args.max_attempts,
+        )
+        print(f"{args.job_id}: {result}")
+        return EX_OK
+
+    return await _with_client(cfg, body)
+
+
+async def _cancel(cfg: Config, args: argparse.Namespace) -> int:
+    async def body(client: Any) -> int:
+        result = await client.cancel(args.job_id, args.reason)
+        print(f"{args.job_id}: {result}")
+        return EX_FAILURE if result == "unknown" else EX_OK
+
+    return await _with_client(cfg, body)
+
+
+def _dead_filter(args: argparse.Namespace) -> Any:
+    from pacerd.client import DeadFilter
+
+    since = None
+    if args.dead_since:
+        since = parse_moment(args.dead_since, now=SystemClock().now())
+    return DeadFilter(
+        destination=args.destination, kind=args.kind, error_contains=args.error, dead_since=since
+    )
+
+
+async def _replay(cfg: Config, args: argparse.Namespace) -> int:
+    if not args.reason.strip():
+        raise UsageError("--reason must not be empty")
+    selection = _dead_filter(args)
+    has_filter = any(
+        v is not None for v in (args.destination, args.kind, args.error, args.dead_since)
+    )
+    if args.job_id and has_filter:
+        raise UsageError("give one JOB_ID or a filter, not both")
+    if not args.job_id and not has_filter:
+        raise UsageError(
+            "give a JOB_ID or at least one filter (--destination, --kind, --error, --dead-since)"
+        )
+
+    async def body(client: Any) -> int:
+        if args.job_id:
+            if args.dry_run:
+                found = await client.show(args.job_id)
+                state = found[0].state if found else "unknown"
+                verdict = "replay" if state == "dead" else "not replay"
+                print(f"{args.job_id}: would {verdict} (state {state})")
+                return EX_OK
+            result = await client.replay(args.job_id, args.reason)
+            print(f"{args.job_id}: {result}")
+            return EX_FAILURE if result == "unknown" else EX_OK
+        count = await client.count_dead(selection)
+        if args.dry_run:
+            print(f"{min(count, args.limit)} dead job(s) would be replayed ({count} match)")
+            return EX_OK
+        replayed = await client.replay_matching(selection, args.reason, limit=args.limit)
+        print(f"replayed {replayed} dead job(s) ({count} matched)")
+        return EX_OK
+
+    return await _with_client(cfg, body)
+
+
+async def _dead(cfg: Config, args: argparse.Namespace) -> int:
+    from pacerd import statusview
+
+    async def body(client: Any) -> int:
+        jobs = await client.dead(_dead_filter(args), limit=args.limit)
+        if args.json:
+            print(json.dumps([statusview.job_dict(j) for j in jobs], indent=2, default=str))
+        else:
+            statusview.print_dead(jobs)
+        return EX_OK
+
+    return await _with_client(cfg, body)
+
+
+async def _show(cfg: Config, args: argparse.Namespace) -> int:
+    from pacerd import statusview
+
+    async def body(client: Any) -> int:
+        found = await client.show(args.job_id)
+        if found is None:
+            print(f"pacerd: error: no job {args.job_id!r}", file=sys.stderr)
+            return EX_FAILURE
+        job, events = found
+        if args.json:
+            doc = statusview.job_dict(job) | {"history": [statusview.event_dict(e) for e in events]}
+            print(json.dumps(doc, indent=2, default=str))
+        else:
+            statusview.print_job(job, events)
+        return EX_OK
+
+    return await _with_client(cfg, body)
+
+
+async def _pause_resume(cfg: Config, args: argparse.Namespace) -> int:
+    async def body(client: Any) -> int:
+        operation = client.pause if args.verb == "pause" else client.resume
+        result = await operation(args.destination)
+        print(f"{args.destination or 'all destinations'}: {result}")
+        return EX_OK
+
+    return await _with_client(cfg, body)
+
+
+async def _status(cfg: Config, args: argparse.Namespace) -> int:
+    from pacerd import statusview
+
+    async def body(client: Any) -> int:
+        rows = await client.status()
+        if args.json:
+            print(json.dumps([statusview.status_dict(r) for r in rows], indent=2, default=str))
+        else:
+            statusview.print_status(rows)
+        return EX_OK
+
+    return await _with_client(cfg, body)
+
+
+_ASYNC_VERBS: dict[str, Callable[[Any, argparse.Namespace], Awaitable[int]]] = {
+    "migrate": _migrate,
+    "schedule": _schedule,
+    "cancel": _cancel,
+    "replay": _replay,
+    "dead": _dead,
+    "show": _show,
+    "pause": _pause_resume,
+    "resume": _pause_resume,
+    "status": _status,
+}

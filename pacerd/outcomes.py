@@ -1,0 +1,187 @@
+"""The outcome consumer: reads ``pacerd.outcomes``, applies each report
+through the same ledger code as ``pacerd.report``, and acknowledges a batch
+only after its database commit. A malformed message is data, not an error: it
+is moved to ``pacerd.outcomes.invalid``, logged and counted; it never stops
+the daemon.
+
+Parsing (``parse_outcome``) is pure; ``OutcomeConsumer.run_once`` handles one
+batch; ``run`` loops, reconnecting through the daemon's broker supervisor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import structlog
+
+from pacerd.errors import BrokerUnavailable, LedgerUnavailable, PacerdError
+from pacerd.models import Outcome, Report
+from pacerd.publisher import INVALID_QUEUE, OUTCOMES_QUEUE
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+    from pacerd.clock import Clock
+    from pacerd.ledger import Ledger
+    from pacerd.publisher import Broker, Delivery, DeliveryBatches
+
+log = structlog.get_logger("pacerd.outcomes")
+
+MAX_ERROR_CHARS = 4096
+_OUTCOMES = {o.value for o in Outcome}
+
+
+class InvalidOutcome(ValueError):
+    """The outcome message does not follow the protocol."""
+
+
+def parse_outcome(body: bytes) -> Report:
+    """Decodes and validates an outcome message (DESIGN.md, "Messages")."""
+    try:
+        doc = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidOutcome(f"body is not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise InvalidOutcome(f"body must be a JSON object, got {type(doc).__name__}")
+    job_id = doc.get("job_id")
+    if not isinstance(job_id, str) or not job_id.strip():
+        raise InvalidOutcome("job_id must be a non-empty string")
+    attempt = doc.get("attempt")
+    if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 1:
+        raise InvalidOutcome(f"attempt must be an integer >= 1, got {attempt!r}")
+    if attempt > 2**31 - 1:
+        raise InvalidOutcome(f"attempt is out of range: {attempt}")
+    outcome = doc.get("outcome")
+    if outcome not in _OUTCOMES:
+        raise InvalidOutcome(f"outcome must be one of {sorted(_OUTCOMES)}, got {outcome!r}")
+    retry_after = doc.get("retry_after_s")
+    if retry_after is not None:
+        if (
+            not isinstance(retry_after, int | float)
+            or isinstance(retry_after, bool)
+            or not math.isfinite(retry_after)
+            or retry_after < 0
+        ):
+            raise InvalidOutcome(f"retry_after_s must be a number >= 0, got {retry_after!r}")
+        retry_after = float(retry_after)
+    error = doc.get("error")
+    if error is not None and not isinstance(error, str):
+        raise InvalidOutcome(f"error must be a string, got {type(error).__name__}")
+    detail = doc.get("detail")
+    if detail is not None and not isinstance(detail, dict):
+        raise InvalidOutcome(f"detail must be a JSON object, got {type(detail).__name__}")
+    return Report(
+        job_id=job_id,
+        attempt=attempt,
+        outcome=Outcome(outcome),
+        retry_after_s=retry_after,
+        error=error[:MAX_ERROR_CHARS] if error else error,
+        detail=detail,
+        cursor=doc.get("cursor"),
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OutcomeResult:
+    """What one pass (one batch) did."""
+
+    applied: int = 0
+    stale: int = 0
+    unknown: int = 0
+    invalid: int = 0
+
+
+class OutcomeConsumer:
+    """Applies outcome batches to the ledger; one batch per pass."""
+
+    def __init__(
+        self,
+        *,
+        ledger: Ledger,
+        broker: Broker,
+        clock: Clock,
+        prefetch: int = 500,
+        queue: str = OUTCOMES_QUEUE,
+        on_result: Callable[[OutcomeResult], None] | None = None,
+        wait_connected: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self.ledger = ledger
+        self.broker = broker
+        self.clock = clock
+        self.prefetch = prefetch
+        self.queue = queue
+        self.on_result = on_result
+        self.wait_connected = wait_connected
+
+    async def _park(self, delivery: Delivery, why: str) -> None:
+        headers: dict[str, Any] = dict(delivery.headers)
+        headers["x-pacerd-invalid-reason"] = why[:1000]
+        await self.broker.publish_raw(INVALID_QUEUE, delivery.body, headers=headers)
+        log.warning(
+            "outcome_invalid", reason=why, message_id=delivery.message_id, bytes=len(delivery.body)
+        )
+
+    async def run_once(self, batches: DeliveryBatches) -> OutcomeResult:
+        deliveries = await batches.next_batch()
+        reports: list[Report] = []
+        parsed: list[Delivery] = []
+        invalid = 0
+        for delivery in deliveries:
+            try:
+                reports.append(parse_outcome(delivery.body))
+                parsed.append(delivery)
+            except InvalidOutcome as exc:
+                await self._park(delivery, str(exc))
+                invalid += 1
+        try:
+            results = await self.ledger.apply_reports(reports)
+        except LedgerUnavailable:
+            await batches.requeue(deliveries)
+            raise
+        counts = {"applied": 0, "stale": 0, "unknown": 0}
+        for delivery, result in zip(parsed, results, strict=True):
+            if result in counts:
+                counts[result] += 1
+            else:  # refused by the SQL API's own checks: park it too
+                await self._park(delivery, result)
+                invalid += 1
+        await batches.ack(deliveries)
+        outcome = OutcomeResult(
+            applied=counts["applied"],
+            stale=counts["stale"],
+            unknown=counts["unknown"],
+            invalid=invalid,
+        )
+        if self.on_result is not None:
+            self.on_result(outcome)
+        return outcome
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        started = False
+        backoff = 0.5
+        while True:
+            if self.wait_connected is not None:
+                await self.wait_connected()
+            try:
+                async with self.broker.consume(self.queue, prefetch=self.prefetch) as batches:
+                    if not started:
+                        task_status.started()
+                        started = True
+                    backoff = 0.5
+                    while True:
+                        await self.run_once(batches)
+            except (BrokerUnavailable, LedgerUnavailable) as exc:
+                log.warning("outcome_consumer_interrupted", error=str(exc), retry_in=backoff)
+            except PacerdError as exc:
+                log.error("outcome_consumer_error", error=str(exc), retry_in=backoff)
+            if not started:
+                task_status.started()
+                started = True
+            await self.clock.sleep(backoff)
+            backoff = min(backoff * 2, 10.0)

@@ -1,0 +1,282 @@
+"""The broker side: RabbitMQ through aio-pika.
+
+Owns the AMQP connection, the topology pacerd declares (DESIGN.md,
+"Messages"), publishing ready work with publisher confirms and ``mandatory``,
+and the delivery of outcome messages in batches. Every aio-pika/aiormq error
+is translated here into ``PublishError``s (``raise ... from exc``); nothing
+above this module sees a driver type.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import aio_pika
+import aiormq
+import aiormq.exceptions
+from pamqp.commands import Basic
+
+from pacerd.errors import BrokerUnavailable, PublishError, PublishRejected, PublishTimeout
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+
+    from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
+
+    from pacerd.models import ClaimedJob
+
+READY_EXCHANGE = "pacerd.ready"
+OUTCOMES_EXCHANGE = "pacerd.outcomes"
+OUTCOMES_QUEUE = "pacerd.outcomes"
+INVALID_QUEUE = "pacerd.outcomes.invalid"
+
+
+def ready_queue_name(destination: str) -> str:
+    return f"pacerd.ready.{destination}"
+
+
+def message_id(job_id: str, attempt: int) -> str:
+    return f"{job_id}:{attempt}"
+
+
+def ready_body(job: ClaimedJob) -> bytes:
+    """The ready message (DESIGN.md). Payload and cursor arrive from the
+    ledger as JSON text and are spliced in without a decode/encode round."""
+    cursor = job.cursor_json if job.cursor_json is not None else "null"
+    return (
+        f'{{"job_id":{json.dumps(job.job_id)},"kind":{json.dumps(job.kind)},'
+        f'"destination":{json.dumps(job.destination)},"attempt":{job.attempt},'
+        f'"revision":{job.revision},"payload":{job.payload_json},"cursor":{cursor},'
+        f'"eligible_at":"{job.eligible_at.isoformat()}"}}'
+    ).encode()
+
+
+class Publisher(Protocol):
+    """What admission needs from the broker (fakes implement it in tests)."""
+
+    async def declare_destination(self, destination: str, queue: str) -> None: ...
+
+    async def publish(self, job: ClaimedJob, headers: Mapping[str, str]) -> None:
+        """Returns once the broker confirmed the message; raises
+        PublishRejected (nack or unroutable), PublishTimeout or BrokerUnavailable."""
+        ...
+
+
+@contextlib.contextmanager
+def translate_errors() -> Iterator[None]:
+    try:
+        yield
+    except aiormq.exceptions.PublishError as exc:
+        raise PublishRejected(f"unroutable: no queue is bound for it ({exc})") from exc
+    except aiormq.exceptions.DeliveryError as exc:
+        raise PublishRejected(f"the broker refused the message ({exc})") from exc
+    except TimeoutError as exc:
+        raise PublishTimeout() from exc
+    except aiormq.exceptions.ChannelPreconditionFailed as exc:
+        raise PublishError(f"the broker refused a declaration: {exc}") from exc
+    except (
+        aiormq.exceptions.AMQPError,
+        aiormq.exceptions.ChannelInvalidStateError,
+        ConnectionError,
+        OSError,
+        RuntimeError,
+    ) as exc:
+        raise BrokerUnavailable(f"the broker cannot be reached: {exc!r}") from exc
+
+
+@dataclass(slots=True)
+class Delivery:
+    """One incoming message, acknowledged through its batch."""
+
+    body: bytes
+    message_id: str | None
+    headers: dict[str, Any]
+    _message: AbstractIncomingMessage
+
+
+@dataclass(slots=True)
+class Broker:
+    """One AMQP connection: a confirming channel for ready work and one for
+    outcomes. Not robust by design: on loss, callers see BrokerUnavailable,
+    release what they hold, and call ``connect()`` again with backoff."""
+
+    url: str
+    queue_type: str = "quorum"
+    publish_timeout_seconds: float = 10.0
+    declare_queues: bool = True
+    _connection: AbstractRobustConnection | None = None
+    _channel: AbstractChannel | None = None
+    _declared: set[str] = field(default_factory=set)
+    on_close: Callable[[], None] | None = None
+
+    @property
+    def connected(self) -> bool:
+        return (
+            self._connection is not None
+            and not self._connection.is_closed
+            and self._channel is not None
+            and not self._channel.is_closed
+        )
+
+    async def connect(self) -> None:
+        await self.close()
+        with translate_errors():
+            self._connection = await aio_pika.connect(self.url, timeout=10)  # type: ignore[assignment]
+            assert self._connection is not None
+            self._channel = await self._connection.channel(
+                publisher_confirms=True, on_return_raises=True
+            )
+            await self._declare_core(self._channel)
+        self._declared.clear()
+
+    async def close(self) -> None:
+        connection, self._connection, self._channel = self._connection, None, None
+        if connection is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(connection.close(), 5)
+
+    def _queue_arguments(self) -> dict[str, Any]:
+        return {"x-queue-type": self.queue_type}
+
+    async def _declare_core(self, channel: AbstractChannel) -> None:
+        ready = await channel.declare_exchange(
+            READY_EXCHANGE, aio_pika.ExchangeType.DIRECT, durable=True
+        )
+        outcomes = await channel.declare_exchange(
+            OUTCOMES_EXCHANGE, aio_pika.ExchangeType.FANOUT, durable=True
+        )
+        del ready
+        queue = await channel.declare_queue(
+            OUTCOMES_QUEUE, durable=True, arguments=self._queue_arguments()
+        )
+        await queue.bind(outcomes, routing_key="")
+        await channel.declare_queue(INVALID_QUEUE, durable=True, arguments=self._queue_arguments())
+
+    async def declare_destination(self, destination: str, queue: str) -> None:
+        """Declares and binds the destination's ready queue (once per connection)."""
+        if not self.declare_queues or destination in self._declared:
+            return
+        channel = self._require_channel()
+        with translate_errors():
+            declared = await channel.declare_queue(
+                queue, durable=True, arguments=self._queue_arguments()
+            )
+            await declared.bind(READY_EXCHANGE, routing_key=destination)
+        self._declared.add(destination)
+
+    def _require_channel(self) -> AbstractChannel:
+        if self._channel is None or self._channel.is_closed:
+            raise BrokerUnavailable("not connected to the broker")
+        return self._channel
+
+    async def publish(self, job: ClaimedJob, headers: Mapping[str, str]) -> None:
+        channel = self._require_channel()
+        properties = aiormq.spec.Basic.Properties(
+            content_type="application/json",
+            delivery_mode=2,
+            message_id=message_id(job.job_id, job.attempt),
+            correlation_id=job.job_id,
+            headers=dict(headers),
+        )
+        with translate_errors():
+            underlay = await channel.get_underlay_channel()
+            result = await underlay.basic_publish(
+                ready_body(job),
+                exchange=READY_EXCHANGE,
+                routing_key=job.destination,
+                properties=properties,
+                mandatory=True,
+                timeout=self.publish_timeout_seconds,
+            )
+        if not isinstance(result, Basic.Ack):
+            raise PublishRejected(f"the broker did not acknowledge the message: {result!r}")
+
+    async def publish_raw(
+        self,
+        routing_key: str,
+        body: bytes,
+        *,
+        headers: Mapping[str, Any] | None = None,
+        exchange: str = "",
+    ) -> None:
+        """Publishes any message with confirms (parking invalid outcomes, tests)."""
+        channel = self._require_channel()
+        with translate_errors():
+            underlay = await channel.get_underlay_channel()
+            await underlay.basic_publish(
+                body,
+                exchange=exchange,
+                routing_key=routing_key,
+                properties=aiormq.spec.Basic.Properties(
+                    delivery_mode=2, headers=dict(headers or {})
+                ),
+                mandatory=True,
+                timeout=self.publish_timeout_seconds,
+            )
+
+    @contextlib.asynccontextmanager
+    async def consume(self, queue: str, *, prefetch: int) -> AsyncIterator[DeliveryBatches]:
+        """Consumes ``queue`` on a channel of its own; yields a batch source."""
+        if self._connection is None or self._connection.is_closed:
+            raise BrokerUnavailable("not connected to the broker")
+        with translate_errors():
+            channel = await self._connection.channel(publisher_confirms=False)
+            await channel.set_qos(prefetch_count=prefetch)
+            declared = await channel.get_queue(queue, ensure=False)
+        batches = DeliveryBatches(max_batch=prefetch)
+        with translate_errors():
+            tag = await declared.consume(batches.put)
+        try:
+            yield batches
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(declared.cancel(tag), 2)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(channel.close(), 2)
+
+
+class DeliveryBatches:
+    """Incoming messages grouped in batches (everything already buffered, up
+    to ``max_batch``), so the consumer applies them in one transaction and
+    acknowledges them with one frame."""
+
+    def __init__(self, *, max_batch: int) -> None:
+        self._queue: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
+        self.max_batch = max_batch
+
+    async def put(self, message: AbstractIncomingMessage) -> None:
+        self._queue.put_nowait(message)
+
+    async def next_batch(self) -> list[Delivery]:
+        first = await self._queue.get()
+        messages = [first]
+        while len(messages) < self.max_batch and not self._queue.empty():
+            messages.append(self._queue.get_nowait())
+        return [
+            Delivery(
+                body=m.body,
+                message_id=m.message_id,
+                headers=dict(m.headers or {}),
+                _message=m,
+            )
+            for m in messages
+        ]
+
+    @staticmethod
+    async def ack(deliveries: Sequence[Delivery]) -> None:
+        """Acknowledges every delivery of a batch (one frame: ``multiple``)."""
+        if not deliveries:
+            return
+        with translate_errors():
+            last = max(deliveries, key=lambda d: d._message.delivery_tag or 0)
+            await last._message.ack(multiple=True)
+
+    @staticmethod
+    async def requeue(deliveries: Sequence[Delivery]) -> None:
+        with translate_errors():
+            for d in deliveries:
+                await d._message.nack(requeue=True)

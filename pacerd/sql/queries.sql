@@ -1,0 +1,236 @@
+-- The daemon's private statements. One block per query:
+--   -- name: <name>
+--   -- <one-line description>
+--   <statement>
+-- ledger.py loads this file once and has one method per block, same name.
+-- Time arrives as a parameter: coalesce($n::timestamptz, now()), so tests can
+-- pin it and production lets the database decide.
+
+-- name: claim_due
+-- Claims up to $3 due jobs of destination $1, oldest first, $2 of them reserved for the live lane; sets the claim lease.
+WITH params AS (
+    SELECT coalesce($7::timestamptz, now()) AS now,
+           make_interval(secs => $6) AS live_window
+), live AS (
+    SELECT j.job_id, j.next_attempt_at
+    FROM pacerd.jobs j, params p
+    WHERE j.destination = $1 AND j.state = 'scheduled'
+      AND j.next_attempt_at <= p.now
+      AND j.next_attempt_at > p.now - p.live_window
+      AND NOT j.ever_offered
+    ORDER BY j.next_attempt_at
+    LIMIT $3
+    FOR UPDATE OF j SKIP LOCKED
+), backlog AS (
+    SELECT j.job_id, j.next_attempt_at
+    FROM pacerd.jobs j, params p
+    WHERE j.destination = $1 AND j.state = 'scheduled'
+      AND j.next_attempt_at <= p.now
+      AND (j.ever_offered OR j.next_attempt_at <= p.now - p.live_window)
+    ORDER BY j.next_attempt_at
+    LIMIT $3
+    FOR UPDATE OF j SKIP LOCKED
+), shares AS (
+    SELECT least((SELECT count(*) FROM live),
+                 greatest($2::bigint, $3::bigint - (SELECT count(*) FROM backlog))) AS n_live
+), picked AS (
+    SELECT l.job_id, true AS live FROM (
+        SELECT job_id, row_number() OVER (ORDER BY next_attempt_at, job_id) AS rn FROM live
+    ) l, shares s WHERE l.rn <= s.n_live
+    UNION ALL
+    SELECT b.job_id, false AS live FROM (
+        SELECT job_id, row_number() OVER (ORDER BY next_attempt_at, job_id) AS rn FROM backlog
+    ) b, shares s WHERE b.rn <= $3::bigint - s.n_live
+), claimed AS (
+    UPDATE pacerd.jobs j SET
+        state = 'claimed',
+        attempt = j.attempt + 1,
+        lease_expires_at = p.now + make_interval(secs => $4),
+        admit_epoch = $5,
+        claimed_by = $8,
+        updated_at = p.now
+    FROM picked, params p
+    WHERE j.job_id = picked.job_id
+    RETURNING j.job_id, j.kind, j.destination, j.attempt, j.revision, j.payload, j.cursor,
+              j.next_attempt_at, picked.live
+), events AS (
+    INSERT INTO pacerd.job_events (job_id, attempt, event, at, detail)
+    SELECT c.job_id, c.attempt, 'claimed', p.now,
+           jsonb_build_object('lane', CASE WHEN c.live THEN 'live' ELSE 'backlog' END,
+                              'by', $8::text, 'epoch', $5::bigint)
+    FROM claimed c, params p
+)
+SELECT job_id, kind, destination, attempt, revision, payload::text AS payload,
+       cursor::text AS cursor, next_attempt_at, live
+FROM claimed
+ORDER BY next_attempt_at, job_id;
+
+-- name: mark_offered
+-- Marks confirmed publishes offered (fenced by state and attempt) and sets the offer lease.
+WITH params AS (
+    SELECT coalesce($4::timestamptz, now()) AS now
+), offered AS (
+    UPDATE pacerd.jobs j SET
+        state = 'offered',
+        ever_offered = true,
+        lease_expires_at = p.now + make_interval(secs => $3),
+        updated_at = p.now
+    FROM unnest($1::text[], $2::int[]) AS c(job_id, attempt), params p
+    WHERE j.job_id = c.job_id AND j.attempt = c.attempt AND j.state = 'claimed'
+    RETURNING j.job_id, j.attempt
+), events AS (
+    INSERT INTO pacerd.job_events (job_id, attempt, event, at)
+    SELECT o.job_id, o.attempt, 'offered', p.now FROM offered o, params p
+)
+SELECT job_id, attempt FROM offered;
+
+-- name: release_claims
+-- Returns unpublished claims to scheduled without spending an attempt (fenced by state and attempt).
+WITH params AS (
+    SELECT coalesce($4::timestamptz, now()) AS now
+), released AS (
+    UPDATE pacerd.jobs j SET
+        state = 'scheduled',
+        lease_expires_at = NULL,
+        claimed_by = NULL,
+        updated_at = p.now
+    FROM unnest($1::text[], $2::int[]) AS c(job_id, attempt), params p
+    WHERE j.job_id = c.job_id AND j.attempt = c.attempt AND j.state = 'claimed'
+    RETURNING j.job_id, j.attempt
+), events AS (
+    INSERT INTO pacerd.job_events (job_id, attempt, event, at, detail)
+    SELECT r.job_id, r.attempt, 'released', p.now, jsonb_build_object('reason', $3::text)
+    FROM released r, params p
+)
+SELECT job_id, attempt FROM released;
+
+-- name: reclaim_expired
+-- Returns up to $2 expired claims (no attempt spent) and offers (an attempt spent; dead at the cap).
+WITH params AS (
+    SELECT coalesce($1::timestamptz, now()) AS now
+), expired AS (
+    SELECT j.job_id, j.state, j.attempt, j.failures, j.max_attempts
+    FROM pacerd.jobs j, params p
+    WHERE j.state IN ('claimed', 'offered') AND j.lease_expires_at < p.now
+    ORDER BY j.lease_expires_at
+    LIMIT $2
+    FOR UPDATE OF j SKIP LOCKED
+), reclaimed AS (
+    UPDATE pacerd.jobs j SET
+        state = CASE
+            WHEN e.state = 'offered' AND e.failures + 1 >= e.max_attempts THEN 'dead'
+            ELSE 'scheduled' END,
+        failures = j.failures + (e.state = 'offered')::int,
+        last_error = CASE WHEN e.state = 'offered' THEN 'offer lease expired without an outcome'
+                          ELSE j.last_error END,
+        lease_expires_at = NULL,
+        claimed_by = NULL,
+        updated_at = p.now
+    FROM expired e, params p
+    WHERE j.job_id = e.job_id
+    RETURNING j.job_id, j.attempt, j.destination, e.state AS previous_state, j.state, j.failures
+), events AS (
+    INSERT INTO pacerd.job_events (job_id, attempt, event, at, detail)
+    SELECT r.job_id, r.attempt,
+           CASE WHEN r.state = 'dead' THEN 'dead' ELSE 'lease_expired' END, p.now,
+           jsonb_build_object('lease', CASE WHEN r.previous_state = 'claimed' THEN 'claim'
+                                            ELSE 'offer' END,
+                              'failures', r.failures,
+                              'reason', CASE WHEN r.state = 'dead' THEN 'attempts_exhausted'
+                                             ELSE NULL END)
+    FROM reclaimed r, params p
+)
+SELECT job_id, attempt, destination, previous_state, state FROM reclaimed;
+
+-- name: count_inflight
+-- Counts claimed and offered jobs of one destination (bounded by max_inflight).
+SELECT count(*) AS inflight
+FROM pacerd.jobs
+WHERE destination = $1 AND state IN ('claimed', 'offered');
+
+-- name: oldest_due
+-- The next_attempt_at of the oldest due job of one destination (an index lookup).
+SELECT min(next_attempt_at) AS oldest_due_at
+FROM pacerd.jobs
+WHERE destination = $1 AND state = 'scheduled' AND next_attempt_at <= coalesce($2::timestamptz, now());
+
+-- name: has_due
+-- Whether one destination has at least $2 due jobs beyond the first (bounded scan).
+SELECT count(*) AS n FROM (
+    SELECT 1 FROM pacerd.jobs
+    WHERE destination = $1 AND state = 'scheduled'
+      AND next_attempt_at <= coalesce($3::timestamptz, now())
+    LIMIT $2
+) s;
+
+-- name: list_destinations
+-- Every destination the ledger knows, with its shared state and counters.
+SELECT d.destination, d.paused, c.paused_all, d.cooldown_until, d.epoch,
+       d.pacer_state::text AS pacer_state, d.n_accepted, d.n_refused, d.n_accepted_fresh,
+       d.n_refused_fresh, d.n_retry_after, d.leader, d.leader_since,
+       coalesce($1::timestamptz, now()) AS now
+FROM pacerd.destinations d, pacerd.control c
+ORDER BY d.destination;
+
+-- name: read_destination
+-- One destination's shared state and outcome counters, read at the top of a tick.
+SELECT d.destination, d.paused, c.paused_all, d.cooldown_until, d.epoch,
+       d.pacer_state::text AS pacer_state, d.n_accepted, d.n_refused, d.n_accepted_fresh,
+       d.n_refused_fresh, d.n_retry_after, d.leader, d.leader_since,
+       coalesce($2::timestamptz, now()) AS now
+FROM pacerd.destinations d, pacerd.control c
+WHERE d.destination = $1;
+
+-- name: ensure_destination
+-- Registers a destination (from the config) so that it is declared and led.
+INSERT INTO pacerd.destinations (destination) VALUES ($1)
+ON CONFLICT DO NOTHING;
+
+-- name: save_pacer_state
+-- Persists the pacer of one destination every tick; $3 is the epoch (bumped at each cut).
+UPDATE pacerd.destinations SET
+    pacer_state = $2::jsonb,
+    epoch = greatest(epoch, $3),
+    updated_at = coalesce($4::timestamptz, now())
+WHERE destination = $1;
+
+-- name: set_leader
+-- Records which instance leads a destination, and since when (for status).
+UPDATE pacerd.destinations SET
+    leader = $2,
+    leader_since = CASE WHEN leader IS DISTINCT FROM $2 THEN coalesce($3::timestamptz, now())
+                        ELSE leader_since END
+WHERE destination = $1;
+
+-- name: due_summary
+-- Per destination: due count, oldest due, in flight and dead, for status and metrics (it counts: a slower cadence).
+SELECT d.destination,
+       (SELECT count(*) FROM pacerd.jobs j
+         WHERE j.destination = d.destination AND j.state = 'scheduled'
+           AND j.next_attempt_at <= coalesce($1::timestamptz, now())) AS due,
+       (SELECT min(j.next_attempt_at) FROM pacerd.jobs j
+         WHERE j.destination = d.destination AND j.state = 'scheduled'
+           AND j.next_attempt_at <= coalesce($1::timestamptz, now())) AS oldest_due_at,
+       (SELECT count(*) FROM pacerd.jobs j
+         WHERE j.destination = d.destination AND j.state IN ('claimed', 'offered')) AS inflight,
+       (SELECT count(*) FROM pacerd.jobs j
+         WHERE j.destination = d.destination AND j.state = 'dead') AS dead
+FROM pacerd.destinations d
+ORDER BY d.destination;
+
+-- name: write_settings
+-- Stores the limits the SQL functions enforce (from the config file).
+INSERT INTO pacerd.settings (key, value, updated_at)
+SELECT k, v, now() FROM unnest($1::text[], $2::jsonb[]) AS s(k, v)
+ON CONFLICT (key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at
+WHERE pacerd.settings.value IS DISTINCT FROM excluded.value;
+
+-- name: apply_reports
+-- Applies a batch of outcome reports through pacerd.report, in order, in the caller's transaction.
+SELECT pacerd.report(job_id => r.job_id, attempt => r.attempt, outcome => r.outcome,
+                     retry_after_s => r.retry_after_s, error => r.error,
+                     detail => r.detail, cursor => r.cursor) AS result
+FROM unnest($1::text[], $2::int[], $3::text[], $4::float8[], $5::text[], $6::jsonb[],
+            $7::jsonb[]) WITH ORDINALITY AS r(job_id, attempt, outcome, retry_after_s, error,
+                                             detail, cursor, n)
+ORDER BY r.n;

@@ -1,0 +1,221 @@
+"""How the CLI shows the ledger to a person: status tables, the live
+``status --watch`` view, dead letters and a job's history.
+
+Rendering only (rich); the data comes from ``client.py``. The live view reads
+the ledger, so it works from any machine with database access.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from pacerd.clock import SystemClock
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from pacerd.client import DestinationStatus
+    from pacerd.models import JobEvent, JobView
+
+_SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def _console() -> Console:
+    return Console(highlight=False, soft_wrap=True)
+
+
+def human_seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value < 1:
+        return "0s"
+    parts: list[str] = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if value >= size or (unit == "s" and not parts):
+            parts.append(f"{int(value // size)}{unit}")
+            value %= size
+        if len(parts) == 2:
+            break
+    return "".join(parts)
+
+
+def sparkline(values: Sequence[float]) -> str:
+    if not values:
+        return ""
+    top = max(values) or 1.0
+    return "".join(
+        _SPARKS[min(len(_SPARKS) - 1, int(v / top * (len(_SPARKS) - 1)))] for v in values
+    )
+
+
+def _state(row: DestinationStatus) -> str:
+    if row.paused_all:
+        return "paused (all)"
+    if row.paused:
+        return "paused"
+    if row.cooldown_remaining_seconds > 0:
+        return f"cool-down {human_seconds(row.cooldown_remaining_seconds)}"
+    return "active"
+
+
+def status_dict(row: DestinationStatus) -> dict[str, Any]:
+    doc = dataclasses.asdict(row)
+    doc["state"] = _state(row)
+    return doc
+
+
+def status_table(
+    rows: Sequence[DestinationStatus],
+    *,
+    rates: dict[str, deque[float]] | None = None,
+    ratios: dict[str, float | None] | None = None,
+) -> Table:
+    table = Table(title=None, header_style="bold", expand=False)
+    for column in (
+        "destination",
+        "state",
+        "rate/s",
+        "budget",
+        "in flight",
+        "due",
+        "oldest due",
+        "refused",
+        "drain ETA",
+        "dead",
+        "leader",
+    ):
+        table.add_column(
+            column, justify="left" if column in ("destination", "state", "leader") else "right"
+        )
+    for r in rows:
+        rate = "-" if r.rate is None else f"{r.rate:,.1f}"
+        if rates and rates.get(r.destination):
+            rate = f"{sparkline(list(rates[r.destination]))} {rate}"
+        ratio = ratios.get(r.destination) if ratios is not None else r.refusal_ratio
+        table.add_row(
+            r.destination,
+            _state(r),
+            rate,
+            "-" if r.budget is None else str(r.budget),
+            f"{r.inflight:,}",
+            f"{r.due:,}",
+            human_seconds(r.oldest_due_age_seconds),
+            "-" if ratio is None else f"{ratio:.1%}",
+            human_seconds(r.drain_eta_seconds),
+            f"{r.dead:,}",
+            r.leader or "-",
+        )
+    return table
+
+
+def print_status(rows: Sequence[DestinationStatus]) -> None:
+    console = _console()
+    if not rows:
+        console.print("no destinations yet (schedule a job or configure [destinations.NAME])")
+        return
+    console.print(status_table(rows))
+
+
+async def watch(dsn: str, interval: float) -> int:
+    """``pacerd status --watch``: refreshes until interrupted. The refusal
+    ratio is computed from the ledger's outcome counters between refreshes."""
+    from pacerd.client import Client
+
+    clock = SystemClock()
+    rates: dict[str, deque[float]] = {}
+    previous: dict[str, tuple[int, int]] = {}
+    ratios: dict[str, float | None] = {}
+    client = await Client.connect(dsn, max_size=1)
+    try:
+        with Live(Text("reading the ledger…"), console=_console(), auto_refresh=False) as live:
+            while True:
+                rows = await client.status()
+                for r in rows:
+                    rates.setdefault(r.destination, deque(maxlen=30)).append(r.rate or 0.0)
+                    before = previous.get(r.destination)
+                    if before is not None:
+                        accepted, refused = r.n_accepted - before[0], r.n_refused - before[1]
+                        total = accepted + refused
+                        ratios[r.destination] = refused / total if total else None
+                    previous[r.destination] = (r.n_accepted, r.n_refused)
+                stamp = Text(
+                    f"pacerd status — {clock.now():%Y-%m-%d %H:%M:%S} UTC"
+                    f" — every {interval:g}s, Ctrl-C to stop",
+                    style="dim",
+                )
+                live.update(
+                    Group(stamp, status_table(rows, rates=rates, ratios=ratios)), refresh=True
+                )
+                await clock.sleep(interval)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        await client.close()
+
+
+def job_dict(job: JobView) -> dict[str, Any]:
+    doc = dataclasses.asdict(job)
+    doc["state"] = str(job.state)
+    return doc
+
+
+def event_dict(event: JobEvent) -> dict[str, Any]:
+    return dataclasses.asdict(event)
+
+
+def _when(value: dt.datetime | None) -> str:
+    return "-" if value is None else value.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def print_job(job: JobView, events: Sequence[JobEvent]) -> None:
+    console = _console()
+    console.print(
+        f"[bold]{job.job_id}[/bold]  {job.kind} → {job.destination}  [bold]{job.state}[/bold]"
+    )
+    console.print(
+        f"  attempt {job.attempt}, failures {job.failures}/{job.max_attempts},"
+        f" revision {job.revision}"
+    )
+    console.print(
+        f"  next attempt at {_when(job.next_attempt_at)}, lease until {_when(job.lease_expires_at)}"
+    )
+    if job.last_error:
+        console.print(f"  last error: {job.last_error}")
+    if job.cursor is not None:
+        console.print(f"  cursor: {job.cursor}")
+    table = Table(header_style="bold")
+    for column in ("at (UTC)", "attempt", "event", "detail"):
+        table.add_column(column)
+    for e in events:
+        table.add_row(
+            _when(e.at), str(e.attempt), e.event, "" if e.detail is None else str(e.detail)
+        )
+    console.print(table)
+
+
+def print_dead(jobs: Sequence[JobView]) -> None:
+    console = _console()
+    if not jobs:
+        console.print("no dead jobs match")
+        return
+    table = Table(header_style="bold")
+    for column in ("job", "kind", "destination", "dead since", "failures", "last error"):
+        table.add_column(column)
+    for j in jobs:
+        table.add_row(
+            j.job_id,
+            j.kind,
+            j.destination,
+            _when(j.updated_at),
+            f"{j.failures}/{j.max_attempts}",
+            j.last_error or "",
+        )
+    console.print(table)
