@@ -416,3 +416,106 @@ async def _report_batch(conn: Conn, sql: str, reports: Sequence[Report]) -> list
         [r.cursor for r in reports],
     )
     return [str(r["result"]) for r in rows]
+
+
+# ---------------------------------------------------------------------------
+# Leadership
+# ---------------------------------------------------------------------------
+
+LEADER_NAMESPACE = 0x70616365  # advisory-lock class id for "destination leadership"
+RECONCILER_LOCK = "\x00reconciler"  # a name no destination can have
+LEADER_APPLICATION_NAME = "pacerd:leader"
+
+
+class LeaderLocks:
+    """Leadership per destination: PostgreSQL session advisory locks held on
+    one dedicated connection. The database releases them the moment that
+    session ends, so losing the connection loses leadership before any other
+    instance can take it; ``alive()`` is checked before each pass, and a
+    closed connection drops every lock locally at once."""
+
+    def __init__(self, dsn: str, *, instance: str) -> None:
+        self.dsn = dsn
+        self.instance = instance
+        self._conn: asyncpg.Connection | None = None
+        self._held: set[str] = set()
+
+    @property
+    def held(self) -> frozenset[str]:
+        if self._conn is None or self._conn.is_closed():
+            self._held.clear()
+        return frozenset(self._held)
+
+    def holds(self, name: str) -> bool:
+        return name in self.held
+
+    async def connect(self) -> None:
+        await self.close()
+        with translate_errors():
+            self._conn = await asyncpg.connect(
+                self.dsn,
+                timeout=10,
+                server_settings={"application_name": LEADER_APPLICATION_NAME},
+            )
+        self._conn.add_termination_listener(lambda _conn: self._held.clear())
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        self._held.clear()
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                await conn.close(timeout=2)
+
+    async def alive(self, *, timeout_seconds: float = 2.0) -> bool:
+        """Checks the lock session answers; on failure, drops every lock."""
+        conn = self._conn
+        if conn is None or conn.is_closed():
+            self._held.clear()
+            return False
+        try:
+            await conn.fetchval("SELECT 1", timeout=timeout_seconds)
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError):
+            self._held.clear()
+            with contextlib.suppress(Exception):
+                conn.terminate()
+            self._conn = None
+            return False
+        return True
+
+    async def try_acquire(self, name: str) -> bool:
+        if name in self.held:
+            return True
+        conn = self._conn
+        if conn is None:
+            return False
+        with translate_errors():
+            got = bool(
+                await conn.fetchval(
+                    "SELECT pg_try_advisory_lock($1, hashtext($2))", LEADER_NAMESPACE, name
+                )
+            )
+        if got:
+            self._held.add(name)
+        return got
+
+    async def release(self, name: str) -> None:
+        conn = self._conn
+        if conn is None or name not in self._held:
+            return
+        self._held.discard(name)
+        with translate_errors():
+            await conn.fetchval(
+                "SELECT pg_advisory_unlock($1, hashtext($2))", LEADER_NAMESPACE, name
+            )
+
+    async def count_instances(self) -> int:
+        """Live pacerd instances: sessions holding a leadership connection."""
+        conn = self._conn
+        if conn is None:
+            return 1
+        with translate_errors():
+            n = await conn.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
+                LEADER_APPLICATION_NAME,
+            )
+        return max(1, int(n or 0))

@@ -1,0 +1,701 @@
+"""Logs, traces and metrics: structlog + OpenTelemetry, set up once.
+
+Owns the names operators and dashboards rely on (DESIGN.md, "Operations"), the
+exporter selection from the standard ``OTEL_*`` variables, the structlog chain
+(JSON lines, or console on a TTY; trace and span ids on every line inside a
+span; stdlib logging routed through it) and secret redaction. It must not
+decide what to measure or when: services call the small ``Telemetry`` methods.
+It must never block the event loop (exporters run in SDK threads; ``aclose``
+shuts down in a worker thread) and never put a secret in a log line or a span.
+
+Metrics (attributes are plain keys). On Prometheus ``/metrics`` dots become
+underscores, counters end in ``_total`` and units are appended: ``pacerd_rate_per_second``,
+``pacerd_admitted_total``, ``pacerd_oldest_due_age_seconds``, ...
+
+    pacerd.rate                    gauge      {job}/s   destination
+    pacerd.admitted                counter    {job}     destination, mode (active|shadow)
+    pacerd.refusals                counter    {job}     destination
+    pacerd.inflight                gauge      {job}     destination
+    pacerd.due                     gauge      {job}     destination
+    pacerd.oldest_due_age_seconds  gauge      s         destination
+    pacerd.drain_eta_seconds       gauge      s         destination (not set when unknown)
+    pacerd.leases_reclaimed        counter    {lease}   lease (claim|offer), result
+    pacerd.outcomes.applied        counter    {report}  outcome, result (applied|stale|unknown)
+    pacerd.outcomes.invalid        counter    {message} reason
+    pacerd.tick.duration_seconds   histogram  s         destination
+
+Spans (span attributes are namespaced ``pacerd.*`` or semantic conventions):
+
+    pacerd.tick          internal  pacerd.destination, pacerd.shadow, pacerd.rate,
+                                   pacerd.budget, pacerd.admitted, pacerd.refused,
+                                   pacerd.inflight, pacerd.due,
+                                   pacerd.oldest_due_age_seconds, pacerd.drain_eta_seconds
+    pacerd.claim         client    db.system.name=postgresql, db.operation.name=claim_due,
+                                   pacerd.destination, pacerd.limit
+    pacerd.publish       producer  messaging.system=rabbitmq, messaging.operation.type=send,
+                                   messaging.destination.name=pacerd.ready,
+                                   messaging.rabbitmq.destination.routing_key,
+                                   messaging.message.id, messaging.message.conversation_id,
+                                   pacerd.destination, pacerd.job_id, pacerd.attempt
+    pacerd.mark_offered  client    db.system.name, db.operation.name=mark_offered,
+                                   pacerd.destination, pacerd.count
+    pacerd.reconcile     internal  pacerd.claims_released, pacerd.offers_rescheduled,
+                                   pacerd.offers_dead
+    pacerd.outcome       consumer  messaging.system, messaging.operation.type=process,
+                                   messaging.destination.name=pacerd.outcomes,
+                                   pacerd.job_id, pacerd.attempt, pacerd.outcome, pacerd.result
+
+A span that ends by an exception gets status ERROR and an ``exception`` event
+with the redacted message (never the raw text, which could hold a DSN).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import threading
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING, TextIO
+
+import anyio.to_thread
+import structlog
+from opentelemetry import propagate, trace
+from opentelemetry.propagators.textmap import Getter
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import (
+    MetricExporter,
+    MetricReader,
+    PeriodicExportingMetricReader,
+)
+from opentelemetry.sdk.resources import OTELResourceDetector, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+
+from pacerd import __version__
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+    from opentelemetry.util.types import AttributeValue
+    from prometheus_client import CollectorRegistry
+    from structlog.typing import EventDict, Processor, WrappedLogger
+
+__all__ = [
+    "METRIC_ADMITTED", "METRIC_DRAIN_ETA", "METRIC_DUE", "METRIC_INFLIGHT",
+    "METRIC_LEASES_RECLAIMED", "METRIC_OLDEST_DUE_AGE", "METRIC_OUTCOMES_APPLIED",
+    "METRIC_OUTCOMES_INVALID", "METRIC_RATE", "METRIC_REFUSALS", "METRIC_TICK_DURATION",
+    "SPAN_CLAIM", "SPAN_MARK_OFFERED", "SPAN_OUTCOME", "SPAN_PUBLISH", "SPAN_RECONCILE",
+    "SPAN_TICK", "Telemetry", "configure_logging", "extract_context", "inject_traceparent",
+    "redact", "set_log_level", "setup_telemetry",
+]  # fmt: skip
+
+METRIC_RATE = "pacerd.rate"
+METRIC_ADMITTED = "pacerd.admitted"
+METRIC_REFUSALS = "pacerd.refusals"
+METRIC_INFLIGHT = "pacerd.inflight"
+METRIC_DUE = "pacerd.due"
+METRIC_OLDEST_DUE_AGE = "pacerd.oldest_due_age_seconds"
+METRIC_DRAIN_ETA = "pacerd.drain_eta_seconds"
+METRIC_LEASES_RECLAIMED = "pacerd.leases_reclaimed"
+METRIC_OUTCOMES_APPLIED = "pacerd.outcomes.applied"
+METRIC_OUTCOMES_INVALID = "pacerd.outcomes.invalid"
+METRIC_TICK_DURATION = "pacerd.tick.duration_seconds"
+
+SPAN_TICK = "pacerd.tick"
+SPAN_CLAIM = "pacerd.claim"
+SPAN_PUBLISH = "pacerd.publish"
+SPAN_MARK_OFFERED = "pacerd.mark_offered"
+SPAN_RECONCILE = "pacerd.reconcile"
+SPAN_OUTCOME = "pacerd.outcome"
+
+READY_EXCHANGE = "pacerd.ready"
+OUTCOMES_QUEUE = "pacerd.outcomes"
+_TICK_BUCKETS_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+_log = structlog.get_logger(__name__)
+
+# -- redaction -------------------------------------------------------------------------
+
+_URL_PASSWORD = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://[^:/?#@\s]*):([^@\s]+)@")
+_KV_PASSWORD = re.compile(r"(?i)\b(password|passwd|pwd)=([^\s&;,'\"]+)")
+_SECRET_KEY = re.compile(r"(?i)(^|[_.\-])(password|passwd|secret|token|api_key|authorization)$")
+_MASK = "***"
+
+
+def redact(text: str) -> str:
+    """``text`` with URL passwords and ``password=`` values replaced by ``***``."""
+    text = _URL_PASSWORD.sub(rf"\1:{_MASK}@", text)
+    return _KV_PASSWORD.sub(rf"\1={_MASK}", text)
+
+
+def _redact_value(value: object) -> object:
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, Mapping):
+        return {k: _MASK if _is_secret_key(k) else _redact_value(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_redact_value(v) for v in value]
+    return value
+
+
+def _is_secret_key(key: object) -> bool:
+    return isinstance(key, str) and _SECRET_KEY.search(key) is not None
+
+
+def _redact_processor(_logger: WrappedLogger, _method: str, event_dict: EventDict) -> EventDict:
+    for key, value in list(event_dict.items()):
+        event_dict[key] = _MASK if _is_secret_key(key) else _redact_value(value)
+    return event_dict
+
+
+# -- logging ---------------------------------------------------------------------------
+
+
+def _add_trace_context(_logger: WrappedLogger, _method: str, event_dict: EventDict) -> EventDict:
+    context = trace.get_current_span().get_span_context()
+    if context.is_valid:
+        event_dict.setdefault("trace_id", format(context.trace_id, "032x"))
+        event_dict.setdefault("span_id", format(context.span_id, "016x"))
+    return event_dict
+
+
+class _QuietRepeats(logging.Filter):
+    """Lets one record per OpenTelemetry message template through every few minutes.
+
+    With no collector listening, the OTLP exporters would log a warning per
+    retry and an error per batch; one line now and then says the same thing.
+    """
+
+    def __init__(self, every_seconds: float = 300.0) -> None:
+        super().__init__()
+        self._every_seconds = every_seconds
+        self._last: dict[tuple[str, str], float] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith("opentelemetry"):
+            return True
+        key = (record.name, str(record.msg))
+        last = self._last.get(key)
+        if last is not None and record.created - last < self._every_seconds:
+            return False
+        self._last[key] = record.created
+        return True
+
+
+_HANDLER_NAME = "pacerd"
+
+
+def configure_logging(
+    log_level: str = "info", log_format: str = "auto", *, stream: TextIO | None = None
+) -> None:
+    """Route structlog and stdlib logging to one handler on ``stream`` (stderr).
+
+    ``log_format``: ``json`` | ``console`` | ``auto`` (JSON unless ``stream`` is a TTY).
+    Calling it again replaces the previous pacerd handler.
+    """
+    out = sys.stderr if stream is None else stream
+    tty = out.isatty()
+    use_json = log_format == "json" or (log_format == "auto" and not tty)
+    shared: list[Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        _add_trace_context,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.StackInfoRenderer(),
+    ]
+    structlog.configure(
+        processors=[
+            structlog.stdlib.filter_by_level,
+            *shared,
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=False,
+    )
+    final: list[Processor] = [structlog.stdlib.ProcessorFormatter.remove_processors_meta]
+    if use_json:
+        final += [structlog.processors.dict_tracebacks, _redact_processor]
+        final.append(structlog.processors.JSONRenderer())
+    else:
+        final += [structlog.processors.format_exc_info, _redact_processor]
+        final.append(
+            structlog.dev.ConsoleRenderer(
+                colors=tty, exception_formatter=structlog.dev.plain_traceback
+            )
+        )
+    handler = logging.StreamHandler(out)
+    handler.set_name(_HANDLER_NAME)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(processors=final, foreign_pre_chain=shared)
+    )
+    handler.addFilter(_QuietRepeats())
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if h.get_name() == _HANDLER_NAME]:
+        root.removeHandler(old)
+        old.close()
+    root.addHandler(handler)
+    set_log_level(log_level)
+
+
+def set_log_level(log_level: str) -> None:
+    """Change the level at run time (SIGHUP reload); ``debug`` … ``critical``."""
+    level = logging.getLevelNamesMapping().get(log_level.upper())
+    if level is None:
+        raise ValueError(f"unknown log level {log_level!r}")
+    logging.getLogger().setLevel(level)
+    # urllib3 (the OTLP exporter's HTTP client) is too chatty below WARNING.
+    logging.getLogger("urllib3").setLevel(max(level, logging.WARNING))
+
+
+# -- trace context in messages --------------------------------------------------------
+
+
+def inject_traceparent(
+    headers: MutableMapping[str, str], context: Context | None = None
+) -> MutableMapping[str, str]:
+    """Write W3C ``traceparent`` (and ``tracestate``/``baggage``) of the current span."""
+    propagate.inject(headers, context=context)
+    return headers
+
+
+class _HeaderGetter(Getter[Mapping[str, object]]):
+    """Reads AMQP headers, whose values may arrive as bytes."""
+
+    def get(self, carrier: Mapping[str, object], key: str) -> list[str] | None:
+        value = carrier.get(key)
+        if isinstance(value, bytes | bytearray):
+            return [bytes(value).decode("utf-8", "replace")]
+        if isinstance(value, str):
+            return [value]
+        return None
+
+    def keys(self, carrier: Mapping[str, object]) -> list[str]:
+        return list(carrier)
+
+
+def extract_context(headers: Mapping[str, object] | None) -> Context:
+    """The trace context carried in message headers (empty when there is none)."""
+    return propagate.extract(headers or {}, getter=_HeaderGetter())
+
+
+# -- exporter selection (OTEL_* variables) -------------------------------------------
+
+
+def _env_list(name: str, default: str) -> list[str]:
+    """``OTEL_*_EXPORTER``: a comma-separated list; ``none`` selects nothing."""
+    raw = os.environ.get(name, "").strip() or default
+    return [p for part in raw.split(",") if (p := part.strip().lower()) and p != "none"]
+
+
+def _otlp_protocol(signal: str) -> str:
+    return (
+        os.environ.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL", "").strip()
+        or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "").strip()
+        or "http/protobuf"
+    ).lower()
+
+
+def _load_plugin(group: str, name: str) -> object | None:
+    """The exporter class an OpenTelemetry package registers under ``name``."""
+    from importlib.metadata import entry_points
+
+    for entry_point in entry_points(group=group, name=name):
+        loaded: object = entry_point.load()
+        return loaded
+    _log.warning("otel_exporter_unknown", group=group, name=name)
+    return None
+
+
+def _plugin_name(kind: str, signal: str) -> str:
+    """``otlp`` means OTLP over HTTP unless ``OTEL_EXPORTER_OTLP_*PROTOCOL=grpc``."""
+    if kind != "otlp":
+        return kind
+    protocol = _otlp_protocol(signal)
+    if protocol == "grpc":
+        return "otlp_proto_grpc"
+    if protocol != "http/protobuf":
+        _log.warning("otel_protocol_unsupported", protocol=protocol, using="http/protobuf")
+    return "otlp_proto_http"
+
+
+def _span_exporters_from_env() -> list[SpanExporter]:
+    exporters: list[SpanExporter] = []
+    for kind in _env_list("OTEL_TRACES_EXPORTER", "otlp"):
+        factory = _load_plugin("opentelemetry_traces_exporter", _plugin_name(kind, "TRACES"))
+        made = factory() if callable(factory) else None
+        if isinstance(made, SpanExporter):
+            exporters.append(made)
+    return exporters
+
+
+def _metric_readers_from_env(
+    registry: CollectorRegistry | None, exporters: list[MetricExporter]
+) -> list[MetricReader]:
+    readers: list[MetricReader] = []
+    for kind in _env_list("OTEL_METRICS_EXPORTER", "otlp"):
+        if kind == "prometheus":  # served by health.py, not by a server of its own
+            readers.append(_prometheus_reader(registry))
+            continue
+        factory = _load_plugin("opentelemetry_metrics_exporter", _plugin_name(kind, "METRICS"))
+        made = factory() if callable(factory) else None
+        if isinstance(made, MetricExporter):
+            exporters.append(made)
+            readers.append(PeriodicExportingMetricReader(made))
+        elif isinstance(made, MetricReader):
+            readers.append(made)
+    return readers
+
+
+def _prometheus_reader(registry: CollectorRegistry | None) -> MetricReader:
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+    from prometheus_client import REGISTRY
+
+    reader: MetricReader = PrometheusMetricReader(registry=registry or REGISTRY)
+    return reader
+
+
+def _resource(service_name: str) -> Resource:
+    """``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES`` win over the config's name."""
+    detected = OTELResourceDetector().detect()
+    ours: dict[str, AttributeValue] = {"service.version": __version__}
+    if "service.name" not in detected.attributes:
+        ours["service.name"] = service_name
+    return Resource.create(ours)
+
+
+# -- the Telemetry object ------------------------------------------------------------
+
+
+_Attributes = Mapping[str, "AttributeValue | None"]
+
+
+def _attributes(values: _Attributes) -> dict[str, AttributeValue]:
+    """Drops unset values and redacts strings, so no secret reaches a span."""
+    return {k: redact(v) if isinstance(v, str) else v for k, v in values.items() if v is not None}
+
+
+class Telemetry:
+    """The tracer, the meter and pacerd's instruments; built once by the daemon."""
+
+    def __init__(
+        self,
+        tracer_provider: TracerProvider,
+        meter_provider: MeterProvider,
+        *,
+        span_exporters: Sequence[SpanExporter] = (),
+        metric_exporters: Sequence[MetricExporter] = (),
+        metric_readers: Sequence[MetricReader] = (),
+    ) -> None:
+        """``span_exporters``/``metric_exporters`` are aborted if shutdown runs late."""
+        self.tracer_provider = tracer_provider
+        self.meter_provider = meter_provider
+        self.span_exporters = tuple(span_exporters)
+        self.metric_exporters = tuple(metric_exporters)
+        self.metric_readers = tuple(metric_readers)
+        self._closed = False
+        self.tracer = tracer_provider.get_tracer("pacerd", __version__)
+        self.meter = meter = meter_provider.get_meter("pacerd", __version__)
+        self.rate = meter.create_gauge(METRIC_RATE, "{job}/s", "Admission rate per destination")
+        self.admitted = meter.create_counter(METRIC_ADMITTED, "{job}", "Jobs admitted")
+        self.refusals = meter.create_counter(METRIC_REFUSALS, "{job}", "Upstream refusals")
+        self.inflight = meter.create_gauge(METRIC_INFLIGHT, "{job}", "Jobs offered, no outcome")
+        self.due = meter.create_gauge(METRIC_DUE, "{job}", "Jobs due and waiting")
+        self.oldest_due_age = meter.create_gauge(METRIC_OLDEST_DUE_AGE, "s", "Oldest due age")
+        self.drain_eta = meter.create_gauge(METRIC_DRAIN_ETA, "s", "Time to drain the due work")
+        self.leases_reclaimed = meter.create_counter(
+            METRIC_LEASES_RECLAIMED, "{lease}", "Expired claims and offers returned"
+        )
+        self.outcomes_applied = meter.create_counter(
+            METRIC_OUTCOMES_APPLIED, "{report}", "Outcome reports handled"
+        )
+        self.outcomes_invalid = meter.create_counter(
+            METRIC_OUTCOMES_INVALID, "{message}", "Malformed outcome messages parked"
+        )
+        self.tick_duration = meter.create_histogram(
+            METRIC_TICK_DURATION,
+            "s",
+            "Duration of one tick of one destination",
+            explicit_bucket_boundaries_advisory=_TICK_BUCKETS_SECONDS,
+        )
+
+    # spans
+
+    @contextmanager
+    def span(
+        self,
+        name: str,
+        *,
+        kind: SpanKind = SpanKind.INTERNAL,
+        attributes: _Attributes | None = None,
+        context: Context | None = None,
+    ) -> Iterator[Span]:
+        """A current span; an exception ends it with status ERROR, message redacted."""
+        with self.tracer.start_as_current_span(
+            name,
+            context=context,
+            kind=kind,
+            attributes=_attributes(attributes or {}),
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as span:
+            try:
+                yield span
+            except Exception as exc:
+                message = redact(str(exc))
+                span.add_event(
+                    "exception",
+                    {"exception.type": type(exc).__qualname__, "exception.message": message},
+                )
+                span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {message}"))
+                raise
+
+    def tick_span(self, destination: str, *, shadow: bool = False) -> AbstractContextManager[Span]:
+        attrs: _Attributes = {"pacerd.destination": destination, "pacerd.shadow": shadow}
+        return self.span(SPAN_TICK, attributes=attrs)
+
+    def claim_span(self, destination: str, *, limit: int) -> AbstractContextManager[Span]:
+        attrs: _Attributes = {
+            "db.system.name": "postgresql",
+            "db.operation.name": "claim_due",
+            "pacerd.destination": destination,
+            "pacerd.limit": limit,
+        }
+        return self.span(SPAN_CLAIM, kind=SpanKind.CLIENT, attributes=attrs)
+
+    def publish_span(
+        self, destination: str, *, job_id: str, attempt: int, exchange: str = READY_EXCHANGE
+    ) -> AbstractContextManager[Span]:
+        """Around one publish; call ``inject_traceparent`` inside it for the headers."""
+        attrs: _Attributes = {
+            "messaging.system": "rabbitmq",
+            "messaging.operation.type": "send",
+            "messaging.operation.name": "publish",
+            "messaging.destination.name": exchange,
+            "messaging.rabbitmq.destination.routing_key": destination,
+            "messaging.message.id": f"{job_id}:{attempt}",
+            "messaging.message.conversation_id": job_id,
+            "pacerd.destination": destination,
+            "pacerd.job_id": job_id,
+            "pacerd.attempt": attempt,
+        }
+        return self.span(SPAN_PUBLISH, kind=SpanKind.PRODUCER, attributes=attrs)
+
+    def mark_offered_span(self, destination: str, *, count: int) -> AbstractContextManager[Span]:
+        attrs: _Attributes = {
+            "db.system.name": "postgresql",
+            "db.operation.name": "mark_offered",
+            "pacerd.destination": destination,
+            "pacerd.count": count,
+        }
+        return self.span(SPAN_MARK_OFFERED, kind=SpanKind.CLIENT, attributes=attrs)
+
+    def reconcile_span(self) -> AbstractContextManager[Span]:
+        return self.span(SPAN_RECONCILE)
+
+    def outcome_span(
+        self,
+        headers: Mapping[str, object] | None,
+        *,
+        job_id: str | None = None,
+        attempt: int | None = None,
+        outcome: str | None = None,
+    ) -> AbstractContextManager[Span]:
+        """Handling one outcome message; a child of the worker's span when it sent one."""
+        attrs: _Attributes = {
+            "messaging.system": "rabbitmq",
+            "messaging.operation.type": "process",
+            "messaging.destination.name": OUTCOMES_QUEUE,
+            "pacerd.job_id": job_id,
+            "pacerd.attempt": attempt,
+            "pacerd.outcome": outcome,
+        }
+        return self.span(
+            SPAN_OUTCOME, kind=SpanKind.CONSUMER, attributes=attrs,
+            context=extract_context(headers),
+        )  # fmt: skip
+
+    # metrics (and the attributes of the current span)
+
+    def record_tick(
+        self,
+        destination: str,
+        *,
+        rate: float,
+        budget: int,
+        admitted: int,
+        inflight: int,
+        due: int,
+        oldest_due_age_seconds: float | None,
+        drain_eta_seconds: float | None,
+        refused: int,
+        duration_seconds: float | None = None,
+        shadow: bool = False,
+        span: Span | None = None,
+    ) -> None:
+        """One tick's numbers: gauges, counters, and attributes on the tick span.
+
+        Call it inside ``tick_span`` (or pass ``span``). In shadow mode
+        ``admitted`` is what the tick would have admitted.
+        """
+        where = {"destination": destination}
+        self.rate.set(rate, where)
+        self.inflight.set(inflight, where)
+        self.due.set(due, where)
+        self.oldest_due_age.set(oldest_due_age_seconds or 0.0, where)
+        if drain_eta_seconds is not None:
+            self.drain_eta.set(drain_eta_seconds, where)
+        if admitted:
+            mode = "shadow" if shadow else "active"
+            self.admitted.add(admitted, {"destination": destination, "mode": mode})
+        if refused:
+            self.refusals.add(refused, where)
+        if duration_seconds is not None:
+            self.tick_duration.record(duration_seconds, where)
+        target = span if span is not None else trace.get_current_span()
+        target.set_attributes(
+            _attributes({
+                "pacerd.rate": rate,
+                "pacerd.budget": budget,
+                "pacerd.admitted": admitted,
+                "pacerd.refused": refused,
+                "pacerd.inflight": inflight,
+                "pacerd.due": due,
+                "pacerd.oldest_due_age_seconds": oldest_due_age_seconds,
+                "pacerd.drain_eta_seconds": drain_eta_seconds,
+            })
+        )  # fmt: skip
+
+    def record_reconcile(
+        self, *, claims_released: int, offers_rescheduled: int, offers_dead: int,
+        span: Span | None = None,
+    ) -> None:  # fmt: skip
+        """One reconcile pass: expired claims returned, expired offers rescheduled or dead."""
+        for lease, result, count in (
+            ("claim", "released", claims_released),
+            ("offer", "rescheduled", offers_rescheduled),
+            ("offer", "dead", offers_dead),
+        ):
+            if count:
+                self.leases_reclaimed.add(count, {"lease": lease, "result": result})
+        target = span if span is not None else trace.get_current_span()
+        target.set_attributes({
+            "pacerd.claims_released": claims_released,
+            "pacerd.offers_rescheduled": offers_rescheduled,
+            "pacerd.offers_dead": offers_dead,
+        })  # fmt: skip
+
+    def record_outcome(self, outcome: str, result: str, *, span: Span | None = None) -> None:
+        """A report handled: ``outcome`` (ok|refused|…), ``result`` (applied|stale|unknown)."""
+        self.outcomes_applied.add(1, {"outcome": outcome, "result": result})
+        target = span if span is not None else trace.get_current_span()
+        target.set_attributes({"pacerd.outcome": outcome, "pacerd.result": result})
+
+    def record_invalid_outcome(self, reason: str) -> None:
+        """A malformed outcome message was parked in ``pacerd.outcomes.invalid``."""
+        self.outcomes_invalid.add(1, {"reason": reason})
+
+    # lifecycle
+
+    def shutdown(self, timeout_seconds: float = 2.0) -> None:
+        """Flush and stop the providers, waiting at most about ``timeout_seconds``.
+
+        Blocking: from async code use ``aclose``. With no collector listening the
+        OTLP exporter would retry for its whole timeout; past ours it is aborted.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        worker = threading.Thread(
+            target=self._shutdown_providers, args=(timeout_seconds,),
+            name="pacerd-telemetry-shutdown", daemon=True,
+        )  # fmt: skip
+        worker.start()
+        worker.join(timeout_seconds)
+        if worker.is_alive():
+            _log.warning("telemetry_shutdown_timed_out", timeout_seconds=timeout_seconds)
+            exporters: list[SpanExporter | MetricExporter] = [
+                *self.span_exporters, *self.metric_exporters,
+            ]  # fmt: skip
+            otel_logger = logging.getLogger("opentelemetry")
+            level = otel_logger.level
+            otel_logger.setLevel(logging.ERROR)  # aborting makes the SDK warn; we know
+            try:
+                for exporter in exporters:
+                    try:
+                        exporter.shutdown()  # aborts the exporter's retries
+                    except Exception as exc:  # shutting down: nothing left to do about it
+                        _log.debug("telemetry_exporter_shutdown_failed", error=repr(exc))
+                worker.join(1.0)
+            finally:
+                otel_logger.setLevel(level)
+
+    async def aclose(self, timeout_seconds: float = 2.0) -> None:
+        """``shutdown`` in a worker thread, so the event loop keeps running."""
+        await anyio.to_thread.run_sync(self.shutdown, timeout_seconds)
+
+    def _shutdown_providers(self, timeout_seconds: float) -> None:
+        self.tracer_provider.shutdown()
+        self.meter_provider.shutdown(timeout_millis=timeout_seconds * 1000)
+
+
+def setup_telemetry(
+    service_name: str = "pacerd",
+    log_level: str = "info",
+    log_format: str = "auto",
+    *,
+    prometheus: bool = False,
+    prometheus_registry: CollectorRegistry | None = None,
+    metric_readers: Sequence[MetricReader] | None = None,
+    span_exporter: SpanExporter | None = None,
+    log_stream: TextIO | None = None,
+    set_global: bool = False,
+) -> Telemetry:
+    """Configure logging, traces and metrics; return the ``Telemetry`` to hand around.
+
+    Exporters follow ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER``
+    (``otlp`` by default, over HTTP; ``console``; ``none``; ``prometheus`` for
+    metrics), the sampler ``OTEL_TRACES_SAMPLER``, endpoints and the rest of
+    ``OTEL_*`` are read by the SDK itself. ``span_exporter`` (exported at once,
+    for tests) or ``metric_readers`` replace the environment's choice.
+    ``prometheus`` adds a reader feeding ``prometheus_registry`` (default: the
+    global registry that ``/metrics`` serves). ``set_global`` also installs the
+    providers as OpenTelemetry's globals (once per process).
+    """
+    configure_logging(log_level, log_format, stream=log_stream)
+    resource = _resource(service_name)
+    tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+    span_exporters = [span_exporter] if span_exporter is not None else _span_exporters_from_env()
+    for exporter in span_exporters:
+        tracer_provider.add_span_processor(
+            SimpleSpanProcessor(exporter) if span_exporter is not None
+            else BatchSpanProcessor(exporter)
+        )  # fmt: skip
+    metric_exporters: list[MetricExporter] = []
+    readers = (
+        list(metric_readers) if metric_readers is not None
+        else _metric_readers_from_env(prometheus_registry, metric_exporters)
+    )  # fmt: skip
+    if prometheus and not any(type(r).__name__ == "PrometheusMetricReader" for r in readers):
+        readers.append(_prometheus_reader(prometheus_registry))
+    meter_provider = MeterProvider(
+        metric_readers=readers, resource=resource, shutdown_on_exit=False
+    )
+    if set_global:
+        trace.set_tracer_provider(tracer_provider)
+        from opentelemetry import metrics
+
+        metrics.set_meter_provider(meter_provider)
+    _log.debug(
+        "telemetry_configured",
+        span_exporters=[type(e).__name__ for e in span_exporters],
+        metric_readers=[type(r).__name__ for r in readers],
+    )
+    return Telemetry(
+        tracer_provider, meter_provider, span_exporters=span_exporters,
+        metric_exporters=metric_exporters, metric_readers=readers,
+    )  # fmt: skip

@@ -1,0 +1,375 @@
+"""Spans, metrics and logs, read back from in-memory exporters and a string stream."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import pytest
+import structlog
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.exporter.prometheus import PrometheusMetricReader
+from opentelemetry.sdk.metrics.export import (
+    HistogramDataPoint,
+    InMemoryMetricReader,
+    NumberDataPoint,
+)
+from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+from prometheus_client import CollectorRegistry
+
+from pacerd import telemetry as tm
+from pacerd.telemetry import (
+    SPAN_CLAIM,
+    SPAN_MARK_OFFERED,
+    SPAN_OUTCOME,
+    SPAN_PUBLISH,
+    SPAN_TICK,
+    Telemetry,
+    extract_context,
+    inject_traceparent,
+    redact,
+    set_log_level,
+    setup_telemetry,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Sequence
+
+    from opentelemetry.sdk.trace import ReadableSpan
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging() -> Iterator[None]:
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    yield
+    for handler in [h for h in root.handlers if h not in handlers]:
+        root.removeHandler(handler)
+    root.setLevel(level)
+    structlog.reset_defaults()
+
+
+class Harness:
+    def __init__(self, log_format: str = "json") -> None:
+        self.spans = InMemorySpanExporter()
+        self.metrics = InMemoryMetricReader()
+        self.stream = io.StringIO()
+        self.telemetry = setup_telemetry(
+            "pacerd-test", "debug", log_format,
+            metric_readers=[self.metrics], span_exporter=self.spans, log_stream=self.stream,
+        )  # fmt: skip
+
+    def finished(self) -> dict[str, ReadableSpan]:
+        return {span.name: span for span in self.spans.get_finished_spans()}
+
+    def lines(self) -> list[dict[str, object]]:
+        return [json.loads(line) for line in self.stream.getvalue().splitlines()]
+
+    def points(self, name: str) -> dict[frozenset[tuple[str, object]], float]:
+        data = self.metrics.get_metrics_data()
+        assert data is not None
+        found: dict[frozenset[tuple[str, object]], float] = {}
+        for resource in data.resource_metrics:
+            for scope in resource.scope_metrics:
+                for metric in scope.metrics:
+                    if metric.name != name:
+                        continue
+                    for point in metric.data.data_points:
+                        key = frozenset((point.attributes or {}).items())
+                        if isinstance(point, NumberDataPoint):
+                            found[key] = point.value
+                        elif isinstance(point, HistogramDataPoint):
+                            found[key] = point.count
+        return found
+
+
+@pytest.fixture
+def harness() -> Iterator[Harness]:
+    made = Harness()
+    yield made
+    made.telemetry.shutdown(timeout_seconds=2)
+
+
+def record_a_tick(telemetry: Telemetry, *, shadow: bool = False) -> None:
+    telemetry.record_tick(
+        "mail", rate=2.5, budget=3, admitted=2, inflight=4, due=10,
+        oldest_due_age_seconds=12.0, drain_eta_seconds=None, refused=1,
+        duration_seconds=0.02, shadow=shadow,
+    )  # fmt: skip
+
+
+def test_tick_span_with_children_and_attributes(harness: Harness) -> None:
+    tel = harness.telemetry
+    with tel.tick_span("mail"):
+        with tel.claim_span("mail", limit=3):
+            pass
+        with tel.publish_span("mail", job_id="job-1", attempt=3):
+            headers = inject_traceparent({})
+        with tel.mark_offered_span("mail", count=1):
+            pass
+        record_a_tick(tel)
+    spans = harness.finished()
+    tick, claim, publish = spans[SPAN_TICK], spans[SPAN_CLAIM], spans[SPAN_PUBLISH]
+    assert tick.parent is None
+    for child in (claim, publish, spans[SPAN_MARK_OFFERED]):
+        assert child.parent is not None
+        assert child.parent.span_id == tick.context.span_id
+        assert child.context.trace_id == tick.context.trace_id
+    assert dict(tick.attributes or {}) == {
+        "pacerd.destination": "mail", "pacerd.shadow": False, "pacerd.rate": 2.5,
+        "pacerd.budget": 3, "pacerd.admitted": 2, "pacerd.refused": 1, "pacerd.inflight": 4,
+        "pacerd.due": 10, "pacerd.oldest_due_age_seconds": 12.0,
+    }  # fmt: skip
+    assert claim.kind is SpanKind.CLIENT
+    assert claim.attributes is not None
+    assert claim.attributes["db.system.name"] == "postgresql"
+    assert publish.kind is SpanKind.PRODUCER
+    assert publish.attributes is not None
+    assert publish.attributes["messaging.system"] == "rabbitmq"
+    assert publish.attributes["messaging.message.id"] == "job-1:3"
+    assert publish.attributes["messaging.rabbitmq.destination.routing_key"] == "mail"
+    version, trace_id, parent_id, _flags = headers["traceparent"].split("-")
+    assert (version, trace_id, parent_id) == (
+        "00",
+        f"{publish.context.trace_id:032x}",
+        f"{publish.context.span_id:016x}",
+    )
+
+
+def test_outcome_span_continues_the_trace_from_message_headers(harness: Harness) -> None:
+    tel = harness.telemetry
+    with tel.publish_span("mail", job_id="job-1", attempt=1):
+        headers = {k: v.encode() for k, v in inject_traceparent({}).items()}  # AMQP bytes
+    with tel.outcome_span(headers, job_id="job-1", attempt=1, outcome="ok"):
+        tel.record_outcome("ok", "applied")
+    spans = harness.finished()
+    publish, outcome = spans[SPAN_PUBLISH], spans[SPAN_OUTCOME]
+    assert outcome.kind is SpanKind.CONSUMER
+    assert outcome.parent is not None
+    assert outcome.parent.span_id == publish.context.span_id
+    assert outcome.context.trace_id == publish.context.trace_id
+    assert outcome.attributes is not None
+    assert outcome.attributes["pacerd.result"] == "applied"
+    assert not extract_context(None)  # no headers: an empty context, a new trace
+
+
+def test_metric_values(harness: Harness) -> None:
+    tel = harness.telemetry
+    record_a_tick(tel)
+    record_a_tick(tel, shadow=True)
+    tel.record_reconcile(claims_released=2, offers_rescheduled=1, offers_dead=0)
+    tel.record_outcome("refused", "applied")
+    tel.record_invalid_outcome("not_json")
+    mail = frozenset({("destination", "mail")})
+    assert harness.points(tm.METRIC_RATE) == {mail: 2.5}
+    assert harness.points(tm.METRIC_INFLIGHT) == {mail: 4}
+    assert harness.points(tm.METRIC_DUE) == {mail: 10}
+    assert harness.points(tm.METRIC_OLDEST_DUE_AGE) == {mail: 12.0}
+    assert harness.points(tm.METRIC_DRAIN_ETA) == {}  # unknown: not reported
+    assert harness.points(tm.METRIC_REFUSALS) == {mail: 2}
+    assert harness.points(tm.METRIC_ADMITTED) == {
+        mail | {("mode", "active")}: 2, mail | {("mode", "shadow")}: 2,
+    }  # fmt: skip
+    assert harness.points(tm.METRIC_TICK_DURATION) == {mail: 2}
+    assert harness.points(tm.METRIC_LEASES_RECLAIMED) == {
+        frozenset({("lease", "claim"), ("result", "released")}): 2,
+        frozenset({("lease", "offer"), ("result", "rescheduled")}): 1,
+    }
+    assert harness.points(tm.METRIC_OUTCOMES_APPLIED) == {
+        frozenset({("outcome", "refused"), ("result", "applied")}): 1
+    }
+    assert harness.points(tm.METRIC_OUTCOMES_INVALID) == {frozenset({("reason", "not_json")}): 1}
+
+
+def test_log_line_inside_a_tick_carries_its_trace_id(harness: Harness) -> None:
+    log = structlog.get_logger("pacerd.admission")
+    with harness.telemetry.tick_span("mail") as span:
+        log.info("tick_completed", destination="mail", admitted=2)
+        logging.getLogger("aio_pika").warning("channel %s closed", 7)
+    log.info("outside_any_span")
+    ours, foreign, outside = [
+        line for line in harness.lines() if line["event"] != "telemetry_configured"
+    ]
+    context = span.get_span_context()
+    for line in (ours, foreign):
+        assert line["trace_id"] == f"{context.trace_id:032x}"
+        assert line["span_id"] == f"{context.span_id:016x}"
+    assert ours["event"] == "tick_completed"
+    assert ours["level"] == "info"
+    assert ours["destination"] == "mail"
+    assert foreign["event"] == "channel 7 closed"
+    assert foreign["logger"] == "aio_pika"
+    assert "trace_id" not in outside
+
+
+def test_secrets_are_redacted_in_logs_and_spans(harness: Harness) -> None:
+    log = structlog.get_logger("pacerd.daemon")
+    log.info(
+        "connecting", dsn="postgresql://pacerd:s3cret@db:5432/pacerd",
+        nested={"urls": ["amqp://guest:hunter2@mq:5672/"], "password": "plain"},
+        api_token="abc",
+    )  # fmt: skip
+    logging.getLogger("asyncpg").error("cannot connect to postgres://u:pw%40x@h/db")
+    with pytest.raises(ConnectionError), harness.telemetry.tick_span("mail"):
+        raise ConnectionError("amqp://pacerd:topsecret@mq/ refused")
+    output = harness.stream.getvalue()
+    for secret in ("s3cret", "hunter2", "plain", "abc", "pw%40x", "topsecret"):
+        assert secret not in output
+    lines = {line["event"]: line for line in harness.lines()}
+    assert lines["connecting"]["dsn"] == "postgresql://pacerd:***@db:5432/pacerd"
+    assert lines["cannot connect to postgres://u:***@h/db"]["logger"] == "asyncpg"
+    tick = harness.finished()[SPAN_TICK]
+    assert tick.status.status_code is StatusCode.ERROR
+    assert "topsecret" not in (tick.status.description or "")
+    assert tick.events[0].attributes is not None
+    assert tick.events[0].attributes["exception.message"] == "amqp://pacerd:***@mq/ refused"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("postgresql://user:pw@host/db", "postgresql://user:***@host/db"),
+        ("amqp://u:p@rabbit:5672/vhost", "amqp://u:***@rabbit:5672/vhost"),
+        ("amqps://:onlypw@h", "amqps://:***@h"),
+        (
+            "dsn=postgresql://a:b@h1 and amqp://c:d@h2",
+            "dsn=postgresql://a:***@h1 and amqp://c:***@h2",
+        ),
+        (
+            "host=db user=pacerd password=secret dbname=x",
+            "host=db user=pacerd password=*** dbname=x",
+        ),
+        ("postgresql://user@host/db", "postgresql://user@host/db"),
+        ("http://host:8080/path", "http://host:8080/path"),
+        ("no secrets here", "no secrets here"),
+    ],
+)
+def test_redact(text: str, expected: str) -> None:
+    assert redact(text) == expected
+
+
+def test_repeated_exporter_errors_are_logged_once(harness: Harness) -> None:
+    otlp_log = logging.getLogger("opentelemetry.exporter.otlp.proto.http.trace_exporter")
+    for attempt in range(3):
+        otlp_log.warning("Transient error %s encountered, retrying", attempt)
+    events = [line["event"] for line in harness.lines()]
+    assert events.count("Transient error 0 encountered, retrying") == 1
+    assert not any("error 1" in str(event) or "error 2" in str(event) for event in events)
+
+
+def test_log_level_changes_at_run_time(harness: Harness) -> None:
+    log = structlog.get_logger("pacerd.daemon")
+    set_log_level("warning")
+    log.info("hidden")
+    log.warning("shown")
+    set_log_level("DEBUG")
+    log.debug("shown_again")
+    events = [line["event"] for line in harness.lines()]
+    assert "hidden" not in events
+    assert events[-2:] == ["shown", "shown_again"]
+    with pytest.raises(ValueError, match="unknown log level"):
+        set_log_level("chatty")
+
+
+def test_console_format() -> None:
+    made = Harness(log_format="console")
+    try:
+        structlog.get_logger("pacerd").info("tick_completed", destination="mail")
+    finally:
+        made.telemetry.shutdown(timeout_seconds=2)
+    line = made.stream.getvalue().splitlines()[-1]
+    assert "tick_completed" in line
+    assert "destination=mail" in line
+    assert not line.startswith("{")
+
+
+def _env_telemetry(monkeypatch: pytest.MonkeyPatch, **env: str) -> Telemetry:
+    for key in ("OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES", "OTEL_TRACES_SAMPLER"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return setup_telemetry(
+        "pacerd", "info", "json", log_stream=io.StringIO(), prometheus_registry=CollectorRegistry()
+    )
+
+
+def _names(items: Sequence[object]) -> list[str]:
+    return [type(item).__name__ for item in items]
+
+
+def test_none_exporters(monkeypatch: pytest.MonkeyPatch) -> None:
+    tel = _env_telemetry(monkeypatch, OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none")
+    with tel.tick_span("mail"):
+        record_a_tick(tel)
+    assert (tel.span_exporters, tel.metric_readers) == ((), ())
+    tel.shutdown(timeout_seconds=2)
+
+
+def test_otlp_over_http_by_default_with_env_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
+    tel = _env_telemetry(
+        monkeypatch, OTEL_METRICS_EXPORTER="prometheus",
+        OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9", OTEL_SERVICE_NAME="pacerd-eu",
+        OTEL_TRACES_SAMPLER="always_off",
+    )  # fmt: skip
+    try:
+        [exporter] = tel.span_exporters
+        assert isinstance(exporter, OTLPSpanExporter)
+        assert [type(r) for r in tel.metric_readers] == [PrometheusMetricReader]
+        assert tel.tracer_provider.resource.attributes["service.name"] == "pacerd-eu"
+        with tel.tick_span("mail") as span:
+            assert not span.get_span_context().trace_flags.sampled
+    finally:
+        tel.shutdown(timeout_seconds=2)
+
+
+def test_console_exporters_and_service_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    tel = _env_telemetry(monkeypatch, OTEL_TRACES_EXPORTER="console", OTEL_METRICS_EXPORTER="none")
+    assert _names(tel.span_exporters) == [ConsoleSpanExporter.__name__]
+    assert tel.tracer_provider.resource.attributes["service.name"] == "pacerd"
+    tel.shutdown(timeout_seconds=2)
+
+
+class StuckExporter(SpanExporter):
+    """An exporter whose collector never answers: export waits until shutdown."""
+
+    def __init__(self) -> None:
+        self.aborted = threading.Event()
+        self.exporting = threading.Event()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.exporting.set()
+        self.aborted.wait(30)
+        return SpanExportResult.FAILURE
+
+    def shutdown(self) -> None:
+        self.aborted.set()
+
+
+def test_shutdown_is_bounded_when_the_collector_does_not_answer() -> None:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    stuck = StuckExporter()
+    provider = TracerProvider(shutdown_on_exit=False)
+    provider.add_span_processor(BatchSpanProcessor(stuck, schedule_delay_millis=1))
+    tel = Telemetry(provider, MeterProvider(shutdown_on_exit=False), span_exporters=[stuck])
+    with tel.tick_span("mail"):
+        pass
+    assert stuck.exporting.wait(5)
+    started = time.monotonic()
+    tel.shutdown(timeout_seconds=0.2)
+    assert time.monotonic() - started < 2
+    assert stuck.aborted.is_set()
+
+
+async def test_aclose_runs_off_the_event_loop(harness: Harness) -> None:
+    await harness.telemetry.aclose(timeout_seconds=2)
+    harness.telemetry.shutdown()  # idempotent
