@@ -423,7 +423,7 @@ async def _report_batch(conn: Conn, sql: str, reports: Sequence[Report]) -> list
 # ---------------------------------------------------------------------------
 
 LEADER_NAMESPACE = 0x70616365  # advisory-lock class id for "destination leadership"
-RECONCILER_LOCK = "\x00reconciler"  # a name no destination can have
+RECONCILER_LOCK = "#reconciler"  # "#" is not allowed in a destination name
 LEADER_APPLICATION_NAME = "pacerd:leader"
 
 

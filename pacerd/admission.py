@@ -1,0 +1,405 @@
+"""Admission: the per-destination tick. It runs the I/O in order — read the
+destination's shared state, ask the pacer (pure) for a plan, claim up to the
+budget, publish across the tick, mark confirmed publishes offered, release the
+rest — and persists the pacer so that any instance can continue it.
+
+It decides nothing itself: the rate, the budget, the lane split and the
+spacing come from ``pacer.py``. It depends on the small ``AdmissionLedger``
+and ``Publisher`` protocols, so the simulation drives this very code over
+in-memory fakes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import anyio
+import structlog
+
+from pacerd import pacer
+from pacerd.errors import BrokerUnavailable, LedgerError, PacerdError, PublishError
+
+if TYPE_CHECKING:
+    import datetime as dt
+    from collections.abc import Callable, Mapping, Sequence
+    from contextlib import AbstractContextManager
+
+    from pacerd.clock import Clock
+    from pacerd.models import ClaimedJob, DestinationRow, JobRef
+    from pacerd.publisher import Publisher
+
+log = structlog.get_logger("pacerd.admission")
+
+MAX_SLICES_PER_TICK = 50  # sub-tick pacing granularity: at most 50 release points a tick
+
+
+class AdmissionLedger(Protocol):
+    """The ledger operations a tick needs (``ledger.Ledger`` and fakes)."""
+
+    async def read_destination(self, destination: str) -> DestinationRow | None: ...
+
+    async def count_inflight(self, destination: str) -> int: ...
+
+    async def claim_due(
+        self,
+        destination: str,
+        *,
+        live_limit: int,
+        limit: int,
+        claim_seconds: float,
+        epoch: int,
+        live_window_seconds: float,
+        instance: str,
+    ) -> list[ClaimedJob]: ...
+
+    async def mark_offered(
+        self, refs: Sequence[JobRef], *, offer_seconds: float
+    ) -> list[JobRef]: ...
+
+    async def release_claims(self, refs: Sequence[JobRef], *, reason: str) -> list[JobRef]: ...
+
+    async def save_pacer_state(
+        self, destination: str, state: Mapping[str, Any], *, epoch: int
+    ) -> None: ...
+
+
+class TickObserver(Protocol):
+    """Where a tick's figures go (telemetry; tests record them)."""
+
+    def tick_span(self, destination: str, *, shadow: bool) -> AbstractContextManager[Any]: ...
+
+    def tick_completed(self, result: TickResult) -> None: ...
+
+    def trace_headers(self) -> dict[str, str]: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdmissionConfig:
+    destination: str
+    queue: str
+    params: pacer.PacingParams
+    claim_seconds: float = 30.0
+    offer_seconds: float = 300.0
+    instance: str = "pacerd"
+    shadow: bool = False
+
+    def __post_init__(self) -> None:
+        if self.claim_seconds <= 0 or self.offer_seconds <= 0:
+            raise ValueError("lease durations must be > 0")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TickResult:
+    """What one pass did, for one destination."""
+
+    destination: str
+    skipped: str | None = None  # "paused", "paused_local", "cooldown", "broker_down"
+    rate: float = 0.0
+    budget: int = 0
+    live_budget: int = 0
+    claimed: int = 0
+    offered: int = 0
+    released: int = 0
+    inflight: int = 0
+    accepted: int = 0
+    refused: int = 0
+    shadow: bool = False
+    oldest_due_at: dt.datetime | None = None
+
+    @property
+    def refusal_ratio(self) -> float | None:
+        total = self.accepted + self.refused
+        return self.refused / total if total else None
+
+
+@dataclass(slots=True)
+class _Publishing:
+    confirmed: list[JobRef] = field(default_factory=list)
+    failed: list[JobRef] = field(default_factory=list)
+    marked: int = 0
+    broker_down: bool = False
+    stopped: bool = False
+
+
+def counters_window(
+    row: DestinationRow, previous: DestinationRow | None, *, interval_seconds: float
+) -> pacer.OutcomeWindow:
+    """The outcomes reported since the previous tick, from the ledger's
+    monotonic per-destination counters (reports from any instance or SQL)."""
+    if previous is None:
+        return pacer.OutcomeWindow(interval_seconds=interval_seconds)
+    retry_after = None
+    if row.n_retry_after > previous.n_retry_after:
+        retry_after = row.cooldown_remaining_seconds
+    return pacer.OutcomeWindow(
+        accepted=max(0, row.n_accepted - previous.n_accepted),
+        refused=max(0, row.n_refused - previous.n_refused),
+        accepted_fresh=max(0, row.n_accepted_fresh - previous.n_accepted_fresh),
+        refused_fresh=max(0, row.n_refused_fresh - previous.n_refused_fresh),
+        retry_after_s=retry_after,
+        interval_seconds=interval_seconds,
+    )
+
+
+class DestinationAdmission:
+    """The tick of one destination, on the instance that leads it."""
+
+    def __init__(
+        self,
+        *,
+        ledger: AdmissionLedger,
+        publisher: Publisher,
+        clock: Clock,
+        config: AdmissionConfig,
+        observer: TickObserver | None = None,
+        is_paused_locally: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.ledger = ledger
+        self.publisher = publisher
+        self.clock = clock
+        self.config = config
+        self.observer = observer
+        self.is_paused_locally = is_paused_locally
+        self.state: pacer.PacerState | None = None
+        self._previous_row: DestinationRow | None = None
+        self._demand: pacer.Demand | None = None
+        self.stop: anyio.Event | None = None
+
+    def reset(self) -> None:
+        """Forget local state (on losing leadership): the next leader, or this
+        instance later, resumes from what the ledger holds."""
+        self.state = None
+        self._previous_row = None
+        self._demand = None
+
+    def update_config(self, config: AdmissionConfig) -> None:
+        self.config = config
+
+    def _load_state(self, row: DestinationRow, now: float) -> pacer.PacerState:
+        params = self.config.params
+        persisted = (row.pacer_state or {}).get("pacer")
+        if isinstance(persisted, dict):
+            try:
+                return pacer.PacerState.from_dict(persisted, now=now, params=params)
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("pacer_state_unreadable", destination=row.destination, error=str(exc))
+        return pacer.initial_state(params, now=now)
+
+    async def run_once(self) -> TickResult:
+        """One tick of this destination (inside the observer's tick span)."""
+        if self.observer is None:
+            return await self._tick()
+        with self.observer.tick_span(self.config.destination, shadow=self.config.shadow):
+            return await self._tick()
+
+    async def _tick(self) -> TickResult:
+        cfg = self.config
+        dest = cfg.destination
+        now = self.clock.monotonic()
+        row = await self.ledger.read_destination(dest)
+        if row is None:
+            return TickResult(destination=dest, skipped="unknown")
+        if self.state is None:
+            self.state = self._load_state(row, now)
+        previous, self._previous_row = self._previous_row, row
+        window = counters_window(
+            row, previous, interval_seconds=max(0.0, now - self.state.last_tick)
+        )
+        skipped = None
+        if self.is_paused_locally():
+            skipped = "paused_local"
+        elif row.effectively_paused:
+            skipped = "paused"
+        inflight = await self.ledger.count_inflight(dest)
+        state, plan = pacer.plan_tick(
+            self.state,
+            window,
+            self._demand,
+            now=now,
+            inflight=inflight,
+            params=cfg.params,
+            cooldown_remaining_s=row.cooldown_remaining_seconds,
+            paused=skipped is not None,
+        )
+        self.state = state
+        if skipped is None and plan.cooldown:
+            skipped = "cooldown"
+        claimed: list[ClaimedJob] = []
+        outcome = _Publishing()
+        if skipped is None and plan.budget > 0 and not cfg.shadow:
+            claimed = await self.ledger.claim_due(
+                dest,
+                live_limit=plan.live_budget,
+                limit=plan.budget,
+                claim_seconds=cfg.claim_seconds,
+                epoch=state.epoch,
+                live_window_seconds=cfg.params.live_window_seconds,
+                instance=cfg.instance,
+            )
+            if claimed:
+                outcome = await self._publish_spread(claimed, plan.spacing_seconds)
+        self._demand = pacer.Demand(
+            budget=plan.budget if skipped is None else 0,
+            admitted=len(claimed),
+            backlog_empty=len(claimed) < plan.budget,
+            inflight_capped=plan.inflight_capped,
+        )
+        result = TickResult(
+            destination=dest,
+            skipped=skipped or ("broker_down" if outcome.broker_down else None),
+            rate=state.rate,
+            budget=plan.budget,
+            live_budget=plan.live_budget,
+            claimed=len(claimed),
+            offered=len(outcome.confirmed),
+            released=len(outcome.failed),
+            inflight=inflight,
+            accepted=window.accepted,
+            refused=window.refused,
+            shadow=cfg.shadow,
+        )
+        await self.ledger.save_pacer_state(
+            dest,
+            {
+                "pacer": state.to_dict(),
+                "tick": {
+                    "rate": state.rate,
+                    "budget": plan.budget,
+                    "admitted": len(outcome.confirmed),
+                    "inflight": inflight,
+                    "refusal_ratio": result.refusal_ratio,
+                    "skipped": result.skipped,
+                    "by": cfg.instance,
+                },
+            },
+            epoch=state.epoch,
+        )
+        if self.observer is not None:
+            self.observer.tick_completed(result)
+        return result
+
+    async def _publish_spread(
+        self, claimed: Sequence[ClaimedJob], spacing_seconds: float
+    ) -> _Publishing:
+        """Publishes the claimed jobs evenly across the tick, marks each slice's
+        confirmed jobs offered as it completes, and releases what failed."""
+        outcome = _Publishing()
+        headers = self.observer.trace_headers() if self.observer is not None else {}
+        n = len(claimed)
+        slices = max(1, min(n, MAX_SLICES_PER_TICK))
+        per_slice = math.ceil(n / slices)
+        start = self.clock.monotonic()
+        slice_gap = spacing_seconds * per_slice
+
+        async def publish_one(job: ClaimedJob) -> None:
+            if outcome.broker_down:
+                outcome.failed.append(job.ref)
+                return
+            try:
+                await self.publisher.publish(job, headers)
+            except anyio.get_cancelled_exc_class():
+                outcome.failed.append(job.ref)  # released below, in the shielded finally
+                raise
+            except BrokerUnavailable:
+                outcome.broker_down = True
+                outcome.failed.append(job.ref)
+            except PublishError as exc:
+                log.warning(
+                    "publish_failed", job_id=job.job_id, attempt=job.attempt, error=str(exc)
+                )
+                outcome.failed.append(job.ref)
+            else:
+                outcome.confirmed.append(job.ref)
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for i in range(0, n, per_slice):
+                    if i:
+                        await self.clock.sleep_until(start + (i // per_slice) * slice_gap)
+                    if self.stop is not None and self.stop.is_set():
+                        outcome.failed.extend(job.ref for job in claimed[i:])
+                        outcome.stopped = True
+                        break
+                    for job in claimed[i : i + per_slice]:
+                        tg.start_soon(publish_one, job)
+                    await self._flush_confirmed(outcome)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._flush_confirmed(outcome, final=True)
+                if outcome.failed:
+                    reason = (
+                        "broker_unavailable"
+                        if outcome.broker_down
+                        else "shutdown"
+                        if outcome.stopped
+                        else "publish_failed"
+                    )
+                    await self.ledger.release_claims(outcome.failed, reason=reason)
+        return outcome
+
+    async def _flush_confirmed(self, outcome: _Publishing, *, final: bool = False) -> None:
+        """Marks the confirmations received since the last flush offered. If
+        the ledger fails here, the claims stay leased and the reconciler
+        returns them when the claim lease expires, without spending an attempt."""
+        fresh = outcome.confirmed[outcome.marked :]
+        if not fresh:
+            return
+        try:
+            await self.ledger.mark_offered(fresh, offer_seconds=self.config.offer_seconds)
+        except LedgerError as exc:
+            log.warning("mark_offered_failed", count=len(fresh), error=str(exc))
+            if final:
+                raise
+            return
+        outcome.marked += len(fresh)
+
+
+async def run_destination(
+    admission: DestinationAdmission,
+    *,
+    leads: Callable[[], bool] = lambda: True,
+    stop: anyio.Event | None = None,
+    on_pass: Callable[[], None] | None = None,
+) -> None:
+    """Runs ticks on the schedule (``last + tick_seconds``); missed ticks are
+    skipped, not replayed. A ``PacerdError`` in a pass is logged and the loop
+    continues; anything else ends the process. ``stop`` ends the loop after
+    the current tick (whose unpublished claims are released)."""
+    clock = admission.clock
+    stop = stop or anyio.Event()
+    admission.stop = stop
+    deadline = clock.monotonic()
+    while not stop.is_set():
+        if leads():
+            try:
+                await admission.run_once()
+            except PacerdError as exc:
+                log.warning("tick_failed", destination=admission.config.destination, error=str(exc))
+                admission.reset()
+        else:
+            admission.reset()
+        if on_pass is not None:
+            on_pass()
+        tick = admission.config.params.tick_seconds
+        deadline = pacer.next_deadline(deadline, clock.monotonic(), tick)
+        await sleep_until_or_stop(clock, deadline, stop)
+
+
+async def sleep_until_or_stop(clock: Clock, deadline: float, stop: anyio.Event) -> None:
+    """Sleeps until ``deadline`` on ``clock``, or until ``stop`` is set."""
+    if stop.is_set():
+        return
+    async with anyio.create_task_group() as tg:
+
+        async def sleeper() -> None:
+            await clock.sleep_until(deadline)
+            tg.cancel_scope.cancel()
+
+        async def stopper() -> None:
+            await stop.wait()
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(sleeper)
+        tg.start_soon(stopper)

@@ -1,0 +1,565 @@
+"""The composition root: builds every component from the config, runs them in
+one task group, and owns the lifecycle — start-up order and READY, leadership
+and broker supervision, reload, local pause, graceful and forced stop.
+
+    signals ─► Daemon (SignalTarget) ─► flags and events
+    supervisor pass (every tick): leadership locks, broker connection,
+        destinations (declare, start one admission loop each), WATCHDOG
+    admission loops ─► pacer (pure) ─► ledger claim ─► publisher ─► ledger mark
+    outcome consumer ─► ledger.apply_reports      reconciler ─► ledger.reclaim
+
+No SQL and no AMQP here: those belong to ledger.py and publisher.py.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import structlog
+
+from pacerd import config as config_module
+from pacerd import ledger as ledger_module
+from pacerd.admission import AdmissionConfig, DestinationAdmission, TickResult, run_destination
+from pacerd.clock import Clock, SystemClock
+from pacerd.errors import ConfigError, LedgerUnavailable, MigrationError, PacerdError
+from pacerd.outcomes import OutcomeConsumer, OutcomeResult
+from pacerd.publisher import Broker
+from pacerd.reconciler import Reconciler, ReconcilerConfig, ReconcileResult
+from pacerd.sdnotify import Notifier
+from pacerd.signals import handle_signals
+
+if TYPE_CHECKING:
+    from pacerd.config import Config
+    from pacerd.telemetry import Telemetry
+
+log = structlog.get_logger("pacerd.daemon")
+
+EX_OK = 0
+EX_FAILURE = 1
+
+
+def instance_name(cfg: Config) -> str:
+    return cfg.daemon.instance_name or f"{socket.gethostname()}:{os.getpid()}"
+
+
+class TelemetryObserver:
+    """Hands each tick's figures to OpenTelemetry and the log."""
+
+    def __init__(self, telemetry: Telemetry | None, clock: Clock) -> None:
+        self.telemetry = telemetry
+        self.clock = clock
+        self.last: dict[str, TickResult] = {}
+        self.due: dict[str, tuple[int, float | None]] = {}
+
+    def tick_span(self, destination: str, *, shadow: bool) -> AbstractContextManager[Any]:
+        if self.telemetry is None:
+            return nullcontext()
+        return self.telemetry.tick_span(destination, shadow=shadow)
+
+    def trace_headers(self) -> dict[str, str]:
+        if self.telemetry is None:
+            return {}
+        from pacerd.telemetry import inject_traceparent
+
+        headers: dict[str, str] = {}
+        inject_traceparent(headers)
+        return headers
+
+    def tick_completed(self, result: TickResult) -> None:
+        self.last[result.destination] = result
+        due, oldest_age = self.due.get(result.destination, (0, None))
+        eta = due / result.rate if result.rate > 0 and due else None
+        if self.telemetry is not None:
+            self.telemetry.record_tick(
+                result.destination,
+                rate=result.rate,
+                budget=result.budget,
+                admitted=result.offered if not result.shadow else result.claimed,
+                inflight=result.inflight,
+                due=due,
+                oldest_due_age_seconds=oldest_age,
+                drain_eta_seconds=eta,
+                refused=result.refused,
+                shadow=result.shadow,
+            )
+        log.debug(
+            "tick_completed",
+            destination=result.destination,
+            skipped=result.skipped,
+            rate=round(result.rate, 3),
+            budget=result.budget,
+            claimed=result.claimed,
+            offered=result.offered,
+            released=result.released,
+            inflight=result.inflight,
+            accepted=result.accepted,
+            refused=result.refused,
+        )
+
+
+class Daemon:
+    """One pacerd process."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        config_path: str | None,
+        clock: Clock | None = None,
+        telemetry: Telemetry | None = None,
+        notifier: Notifier | None = None,
+        shadow: bool = False,
+        signals: bool = True,
+    ) -> None:
+        self.cfg = cfg
+        self.signals = signals
+        self.config_path = config_path
+        self.clock = clock or SystemClock()
+        self.telemetry = telemetry
+        self.notifier = notifier or Notifier.from_environment()
+        self.shadow = shadow or cfg.pacing.mode == "shadow"
+        self.instance = instance_name(cfg)
+        self.observer = TelemetryObserver(telemetry, self.clock)
+        self.stop_requested = anyio.Event()
+        self.ready_event = anyio.Event()
+        self._reload_requested = False
+        self._local_paused = False
+        self._cancel_scope: anyio.CancelScope | None = None
+        self._admissions: dict[str, DestinationAdmission] = {}
+        self._last_pass: dict[str, float] = {}
+        self.ledger: ledger_module.Ledger | None = None
+        self.broker = Broker(
+            url=cfg.broker.url,
+            queue_type=cfg.broker.queue_type,
+            publish_timeout_seconds=cfg.broker.publish_timeout_seconds,
+            declare_queues=cfg.broker.declare_queues,
+        )
+        self.locks = ledger_module.LeaderLocks(cfg.database.dsn, instance=self.instance)
+        self._broker_retry_at = 0.0
+        self._broker_backoff = 0.5
+        self._locks_retry_at = 0.0
+        self.ready = False
+        self.started_at = self.clock.monotonic()
+
+    # -- SignalTarget ----------------------------------------------------------
+
+    def request_stop(self) -> None:
+        if not self.stop_requested.is_set():
+            log.info("stop_requested", grace_seconds=self.cfg.daemon.shutdown_grace_seconds)
+            self.notifier.stopping("stopping: draining confirms")
+            self.stop_requested.set()
+
+    def force_stop(self) -> None:
+        log.warning("forced_stop")
+        self.stop_requested.set()
+        if self._cancel_scope is not None:
+            self._cancel_scope.cancel()
+
+    def reload(self) -> None:
+        self._reload_requested = True
+
+    def pause_local(self) -> None:
+        if not self._local_paused:
+            log.info("admission_paused_locally")
+        self._local_paused = True
+
+    def resume_local(self) -> None:
+        if self._local_paused:
+            log.info("admission_resumed_locally")
+        self._local_paused = False
+
+    # -- building blocks ---------------------------------------------------------
+
+    def _admission_config(self, destination: str) -> AdmissionConfig:
+        return AdmissionConfig(
+            destination=destination,
+            queue=self.cfg.queue_for(destination),
+            params=self.cfg.pacing_for(destination),
+            claim_seconds=self.cfg.leases.claim_seconds,
+            offer_seconds=self.cfg.leases.offer_seconds,
+            instance=self.instance,
+            shadow=self.shadow,
+        )
+
+    async def _retry_until_up(self, what: str, attempt: Any) -> Any:
+        backoff = 0.5
+        while not self.stop_requested.is_set():
+            try:
+                return await attempt()
+            except (LedgerUnavailable, PacerdError) as exc:
+                if isinstance(exc, MigrationError):
+                    raise
+                log.warning(f"{what}_unavailable", error=str(exc), retry_in=backoff)
+                with anyio.move_on_after(backoff):
+                    await self.stop_requested.wait()
+                backoff = min(backoff * 2, 10.0)
+        return None
+
+    async def _connect_ledger(self) -> ledger_module.Ledger:
+        led = await ledger_module.Ledger.connect(
+            self.cfg.database.dsn,
+            max_size=self.cfg.database.pool_max_size,
+            connect_timeout=self.cfg.database.connect_timeout_seconds,
+        )
+        try:
+            pending = await ledger_module.pending_migrations(led.pool)
+            if pending:
+                raise MigrationError(
+                    f"the ledger schema is not up to date ({', '.join(pending)} pending):"
+                    " run `pacerd migrate` first"
+                )
+            await led.write_settings(ledger_module.settings_from_retry(self.cfg.retry))
+            for destination in self.cfg.destinations:
+                await led.ensure_destination(destination)
+        except BaseException:
+            await led.close()
+            raise
+        return led
+
+    # -- supervision ---------------------------------------------------------------
+
+    async def _supervise_broker(self) -> None:
+        if self.broker.connected:
+            self._broker_backoff = 0.5
+            return
+        now = self.clock.monotonic()
+        if now < self._broker_retry_at:
+            return
+        try:
+            await self.broker.connect()
+            log.info("broker_connected", url=self.cfg.redacted_broker_url())
+            self._broker_backoff = 0.5
+        except PacerdError as exc:
+            log.warning("broker_unavailable", error=str(exc), retry_in=self._broker_backoff)
+            self._broker_retry_at = now + self._broker_backoff
+            self._broker_backoff = min(self._broker_backoff * 2, 10.0)
+
+    async def _supervise_leadership(self, destinations: list[str]) -> None:
+        if not await self.locks.alive():
+            now = self.clock.monotonic()
+            if now < self._locks_retry_at:
+                return
+            try:
+                await self.locks.connect()
+                log.info("leadership_session_connected")
+            except PacerdError as exc:
+                self._locks_retry_at = now + 2.0
+                log.warning("leadership_session_unavailable", error=str(exc))
+                return
+        assert self.ledger is not None
+        instances = await self.locks.count_instances()
+        fair_share = math.ceil(len(destinations) / instances) if destinations else 0
+        held = [d for d in destinations if self.locks.holds(d)]
+        if len(held) > fair_share and len(held) > 1:
+            give_up = sorted(held)[-1]
+            await self.locks.release(give_up)
+            self._admissions[give_up].reset()
+            log.info("leadership_released", destination=give_up, fair_share=fair_share)
+            held.remove(give_up)
+        for destination in destinations:
+            if len(held) >= max(fair_share, 1):
+                break
+            if destination in held:
+                continue
+            if await self.locks.try_acquire(destination):
+                held.append(destination)
+                await self.ledger.set_leader(destination, self.instance)
+                log.info("leadership_acquired", destination=destination)
+        if not self.locks.holds(ledger_module.RECONCILER_LOCK):
+            await self.locks.try_acquire(ledger_module.RECONCILER_LOCK)
+
+    async def _supervise_destinations(self, tg: anyio.abc.TaskGroup) -> list[str]:
+        assert self.ledger is not None
+        rows = await self.ledger.list_destinations()
+        names = sorted({r.destination for r in rows} | set(self.cfg.destinations))
+        for destination in names:
+            if self.broker.connected:
+                try:
+                    await self.broker.declare_destination(
+                        destination, self.cfg.queue_for(destination)
+                    )
+                except PacerdError as exc:
+                    log.error("declare_failed", destination=destination, error=str(exc))
+            if destination not in self._admissions:
+                admission = DestinationAdmission(
+                    ledger=self.ledger,
+                    publisher=self.broker,
+                    clock=self.clock,
+                    config=self._admission_config(destination),
+                    observer=self.observer,
+                    is_paused_locally=lambda: self._local_paused,
+                )
+                self._admissions[destination] = admission
+                self._last_pass[destination] = self.clock.monotonic()
+                tg.start_soon(self._run_admission, admission)
+                log.info("destination_discovered", destination=destination)
+        return names
+
+    async def _run_admission(self, admission: DestinationAdmission) -> None:
+        destination = admission.config.destination
+
+        def leads() -> bool:
+            return self.locks.holds(destination) and self.broker.connected
+
+        def on_pass() -> None:
+            self._last_pass[destination] = self.clock.monotonic()
+
+        await run_destination(admission, leads=leads, stop=self.stop_requested, on_pass=on_pass)
+
+    def _apply_reload(self) -> None:
+        self._reload_requested = False
+        if self.config_path is None:
+            log.warning("reload_ignored", reason="no config file")
+            return
+        self.notifier.reloading("reloading config")
+        try:
+            new = config_module.load_config(self.config_path)
+        except ConfigError as exc:
+            log.error("reload_rejected", problems=exc.problems)
+            self.notifier.ready("running (reload rejected: invalid config)")
+            return
+        diff = config_module.reload_diff(self.cfg, new)
+        self.cfg = new
+        for destination, admission in self._admissions.items():
+            admission.update_config(self._admission_config(destination))
+        if self.telemetry is not None:
+            from pacerd.telemetry import set_log_level
+
+            set_log_level(new.telemetry.log_level)
+        log.info("config_reloaded", changed=diff.changed, needs_restart=diff.needs_restart)
+        self.notifier.ready("running (config reloaded)")
+
+    def _watchdog_due(self) -> bool:
+        """True when every destination loop this instance leads passed recently."""
+        now = self.clock.monotonic()
+        for destination, admission in self._admissions.items():
+            limit = (
+                3 * admission.config.params.tick_seconds
+                + self.cfg.broker.publish_timeout_seconds
+                + 5
+            )
+            if now - self._last_pass.get(destination, now) > limit:
+                return False
+        return True
+
+    def _status_line(self) -> str:
+        parts = []
+        for destination, result in sorted(self.observer.last.items()):
+            if not self.locks.holds(destination):
+                continue
+            due, oldest = self.observer.due.get(destination, (0, None))
+            age = f"{oldest:.0f}s" if oldest is not None else "-"
+            parts.append(f"{destination} {result.rate:.1f}/s due {due} oldest {age}")
+        return "; ".join(parts) or "running, leading no destination"
+
+    async def _supervisor(self, tg: anyio.abc.TaskGroup, *, task_status: Any) -> None:
+        started = False
+        deadline = self.clock.monotonic()
+        while not self.stop_requested.is_set():
+            if self._reload_requested:
+                self._apply_reload()
+            try:
+                await self._supervise_broker()
+                names = await self._supervise_destinations(tg)
+                await self._supervise_leadership(names)
+            except PacerdError as exc:
+                log.warning("supervisor_pass_failed", error=str(exc))
+            if not started:
+                task_status.started()
+                started = True
+            if self._watchdog_due():
+                self.notifier.watchdog()
+            tick = min(
+                [a.config.params.tick_seconds for a in self._admissions.values()]
+                or [self.cfg.pacing.tick_seconds]
+            )
+            deadline = max(deadline + tick, self.clock.monotonic())
+            with anyio.move_on_after(max(0.0, deadline - self.clock.monotonic())):
+                await self.stop_requested.wait()
+
+    async def _due_metrics(self) -> None:
+        """Due counts for status and metrics, on a slower cadence (they count rows)."""
+        assert self.ledger is not None
+        while not self.stop_requested.is_set():
+            try:
+                for row in await self.ledger.due_summary():
+                    oldest = row.oldest_scheduled_at
+                    age = (self.clock.now() - oldest).total_seconds() if oldest else None
+                    self.observer.due[row.destination] = (row.due, age)
+                self.notifier.status(self._status_line())
+            except PacerdError as exc:
+                log.warning("due_summary_failed", error=str(exc))
+            with anyio.move_on_after(max(5.0, self.cfg.pacing.tick_seconds)):
+                await self.stop_requested.wait()
+
+    async def _reconcile_loop(self, reconciler: Reconciler, *, task_status: Any) -> None:
+        task_status.started()
+        interval = self.cfg.reconcile.interval_seconds
+        while not self.stop_requested.is_set():
+            with anyio.move_on_after(interval):
+                await self.stop_requested.wait()
+            if self.stop_requested.is_set():
+                break
+            if not self.locks.holds(ledger_module.RECONCILER_LOCK):
+                continue
+            try:
+                await reconciler.run_once()
+            except PacerdError as exc:
+                log.warning("reconcile_failed", error=str(exc))
+
+    def _on_reconcile(self, result: ReconcileResult) -> None:
+        if self.telemetry is not None and result.total:
+            self.telemetry.record_reconcile(
+                claims_released=result.claims_returned,
+                offers_rescheduled=result.offers_returned,
+                offers_dead=result.dead,
+            )
+
+    def _on_outcomes(self, result: OutcomeResult) -> None:
+        if self.telemetry is not None and result.invalid:
+            for _ in range(result.invalid):
+                self.telemetry.record_invalid_outcome("malformed")
+
+    async def _wait_broker(self) -> None:
+        while not self.broker.connected:
+            with anyio.move_on_after(0.25):
+                await self.stop_requested.wait()
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    async def run(self) -> int:
+        with anyio.CancelScope() as scope:
+            self._cancel_scope = scope
+            async with anyio.create_task_group() as outer:
+                if self.signals:
+                    await outer.start(handle_signals, self)
+                code = await self._run_services()
+                outer.cancel_scope.cancel()
+                return code
+        return EX_OK  # forced stop
+
+    async def _run_services(self) -> int:
+        self.notifier.status("connecting to the ledger")
+        try:
+            self.ledger = await self._retry_until_up("ledger", self._connect_ledger)
+        except MigrationError as exc:
+            log.error("ledger_not_migrated", error=str(exc))
+            return EX_FAILURE
+        if self.ledger is None:
+            return EX_OK
+        try:
+            log.info(
+                "pacerd_starting",
+                instance=self.instance,
+                database=self.cfg.redacted_dsn(),
+                broker=self.cfg.redacted_broker_url(),
+                shadow=self.shadow,
+            )
+            await self._retry_until_up("broker", self.broker.connect)
+            if self.stop_requested.is_set():
+                return EX_OK
+            with anyio.CancelScope() as services_scope:
+                async with anyio.create_task_group() as tg:
+                    consumer = OutcomeConsumer(
+                        ledger=self.ledger,
+                        broker=self.broker,
+                        clock=self.clock,
+                        prefetch=self.cfg.broker.outcome_prefetch,
+                        on_result=self._on_outcomes,
+                        wait_connected=self._wait_broker,
+                    )
+                    reconciler = Reconciler(
+                        ledger=self.ledger,
+                        clock=self.clock,
+                        config=ReconcilerConfig(
+                            interval_seconds=self.cfg.reconcile.interval_seconds,
+                            batch_size=self.cfg.reconcile.batch_size,
+                        ),
+                        on_result=self._on_reconcile,
+                    )
+                    await tg.start(consumer.run)
+                    await tg.start(self._reconcile_loop, reconciler)
+                    if self.cfg.telemetry.http_address:
+                        from pacerd.health import serve_health
+
+                        await tg.start(
+                            lambda task_status: serve_health(
+                                self.cfg.telemetry.http_address,
+                                liveness=self._liveness,
+                                readiness=self._readiness,
+                                task_status=task_status,
+                            )
+                        )
+                    admissions_scope = anyio.CancelScope()
+                    admissions_done = anyio.Event()
+
+                    async def supervised(*, task_status: Any) -> None:
+                        try:
+                            with admissions_scope:
+                                async with anyio.create_task_group() as atg:
+                                    await atg.start(self._supervisor, atg)
+                                    task_status.started()
+                        finally:
+                            admissions_done.set()
+
+                    await tg.start(supervised)
+                    tg.start_soon(self._due_metrics)
+                    self.ready = True
+                    self.ready_event.set()
+                    self.notifier.ready(f"running as {self.instance}")
+                    log.info("pacerd_ready", instance=self.instance)
+                    await self.stop_requested.wait()
+                    # Stop admitting: every loop ends after its current tick, whose
+                    # confirms are drained and whose unpublished claims are released;
+                    # past the grace, the ticks are cancelled (and still release).
+                    grace = self.cfg.daemon.shutdown_grace_seconds
+                    admissions_scope.deadline = anyio.current_time() + grace
+                    await admissions_done.wait()
+                    services_scope.cancel()
+            return EX_OK
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._close()
+
+    async def _close(self) -> None:
+        await self.broker.close()
+        await self.locks.close()
+        if self.ledger is not None:
+            await self.ledger.close()
+        log.info("pacerd_stopped", instance=self.instance)
+
+    def _liveness(self) -> tuple[bool, dict[str, Any]]:
+        return self._watchdog_due(), {"instance": self.instance}
+
+    def _readiness(self) -> tuple[bool, dict[str, Any]]:
+        ok = self.ready and self.broker.connected and self.ledger is not None
+        return ok, {"broker": self.broker.connected, "leading": sorted(self.locks.held)}
+
+
+def main(cfg: Config, *, config_path: str | None, shadow: bool = False) -> int:
+    """``pacerd run``: set up telemetry, run the daemon on uvloop, return the exit code."""
+    from pacerd.telemetry import setup_telemetry
+
+    telemetry = setup_telemetry(
+        cfg.telemetry.service_name,
+        cfg.telemetry.log_level,
+        cfg.telemetry.log_format,
+        prometheus=bool(cfg.telemetry.http_address),
+        set_global=True,
+    )
+
+    async def run() -> int:
+        # Built inside the event loop: the daemon's events belong to it.
+        daemon = Daemon(cfg, config_path=config_path, telemetry=telemetry, shadow=shadow)
+        return await daemon.run()
+
+    try:
+        code: int = anyio.run(run, backend_options={"use_uvloop": True})
+    finally:
+        telemetry.shutdown()
+    return code
