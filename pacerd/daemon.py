@@ -13,6 +13,7 @@ No SQL and no AMQP here: those belong to ledger.py and publisher.py.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
@@ -527,6 +528,11 @@ class Daemon:
                 await self._close()
 
     async def _close(self) -> None:
+        if self.ledger is not None:
+            for destination in self.locks.held:
+                if destination != ledger_module.RECONCILER_LOCK:
+                    with contextlib.suppress(PacerdError):
+                        await self.ledger.set_leader(destination, None)
         await self.broker.close()
         await self.locks.close()
         if self.ledger is not None:

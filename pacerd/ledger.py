@@ -193,6 +193,17 @@ def _refs_arrays(refs: Sequence[JobRef]) -> tuple[list[str], list[int]]:
     return [r.job_id for r in refs], [r.attempt for r in refs]
 
 
+def _json_object(text: str | None) -> dict[str, Any] | None:
+    """A persisted JSON object, or None for anything else (never raises)."""
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def _destination_row(r: asyncpg.Record) -> DestinationRow:
     return DestinationRow(
         destination=r["destination"],
@@ -200,7 +211,7 @@ def _destination_row(r: asyncpg.Record) -> DestinationRow:
         paused_all=r["paused_all"],
         cooldown_until=r["cooldown_until"],
         epoch=r["epoch"],
-        pacer_state=json.loads(r["pacer_state"]) if r["pacer_state"] else None,
+        pacer_state=_json_object(r["pacer_state"]),
         n_accepted=r["n_accepted"],
         n_refused=r["n_refused"],
         n_accepted_fresh=r["n_accepted_fresh"],
@@ -352,7 +363,7 @@ class Ledger:
         epoch: int,
         now: dt.datetime | None = None,
     ) -> None:
-        await self._fetch("save_pacer_state", destination, json.dumps(dict(state)), epoch, now)
+        await self._fetch("save_pacer_state", destination, dict(state), epoch, now)
 
     async def set_leader(
         self, destination: str, leader: str | None, now: dt.datetime | None = None

@@ -29,7 +29,10 @@ _SPARKS = "▁▂▃▄▅▆▇█"
 
 
 def _console() -> Console:
-    return Console(highlight=False, soft_wrap=True)
+    console = Console(highlight=False, soft_wrap=True)
+    if not console.is_terminal:
+        console = Console(highlight=False, soft_wrap=True, width=200)
+    return console
 
 
 def human_seconds(value: float | None) -> str:
