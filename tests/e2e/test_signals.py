@@ -8,12 +8,15 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 import asyncpg
 import pytest
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from pathlib import Path
 
 pytestmark = [pytest.mark.services, pytest.mark.timeout(120)]
 
