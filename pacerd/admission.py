@@ -12,6 +12,7 @@ in-memory fakes.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -66,13 +67,19 @@ class AdmissionLedger(Protocol):
 
 
 class TickObserver(Protocol):
-    """Where a tick's figures go (telemetry; tests record them)."""
+    """Where a tick's spans and figures go (telemetry; tests record them)."""
 
     def tick_span(self, destination: str, *, shadow: bool) -> AbstractContextManager[Any]: ...
 
-    def tick_completed(self, result: TickResult) -> None: ...
+    def claim_span(self, destination: str, *, limit: int) -> AbstractContextManager[Any]: ...
 
-    def trace_headers(self) -> dict[str, str]: ...
+    def publish_span(self, job: ClaimedJob) -> AbstractContextManager[dict[str, str]]:
+        """Around one publish; yields the headers carrying its trace context."""
+        ...
+
+    def mark_offered_span(self, destination: str, *, count: int) -> AbstractContextManager[Any]: ...
+
+    def tick_completed(self, result: TickResult) -> None: ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -229,15 +236,16 @@ class DestinationAdmission:
         claimed: list[ClaimedJob] = []
         outcome = _Publishing()
         if skipped is None and plan.budget > 0 and not cfg.shadow:
-            claimed = await self.ledger.claim_due(
-                dest,
-                live_limit=plan.live_budget,
-                limit=plan.budget,
-                claim_seconds=cfg.claim_seconds,
-                epoch=state.epoch,
-                live_window_seconds=cfg.params.live_window_seconds,
-                instance=cfg.instance,
-            )
+            with self._span("claim", dest, limit=plan.budget):
+                claimed = await self.ledger.claim_due(
+                    dest,
+                    live_limit=plan.live_budget,
+                    limit=plan.budget,
+                    claim_seconds=cfg.claim_seconds,
+                    epoch=state.epoch,
+                    live_window_seconds=cfg.params.live_window_seconds,
+                    instance=cfg.instance,
+                )
             if claimed:
                 outcome = await self._publish_spread(claimed, plan.spacing_seconds)
         self._demand = pacer.Demand(
@@ -280,13 +288,20 @@ class DestinationAdmission:
             self.observer.tick_completed(result)
         return result
 
+    def _span(self, name: str, destination: str, **attributes: int) -> AbstractContextManager[Any]:
+        if self.observer is None:
+            return nullcontext()
+        if name == "claim":
+            return self.observer.claim_span(destination, limit=attributes["limit"])
+        return self.observer.mark_offered_span(destination, count=attributes["count"])
+
     async def _publish_spread(
         self, claimed: Sequence[ClaimedJob], spacing_seconds: float
     ) -> _Publishing:
         """Publishes the claimed jobs evenly across the tick, marks each slice's
         confirmed jobs offered as it completes, and releases what failed."""
         outcome = _Publishing()
-        headers = self.observer.trace_headers() if self.observer is not None else {}
+        observer = self.observer
         n = len(claimed)
         slices = max(1, min(n, MAX_SLICES_PER_TICK))
         per_slice = math.ceil(n / slices)
@@ -298,7 +313,11 @@ class DestinationAdmission:
                 outcome.failed.append(job.ref)
                 return
             try:
-                await self.publisher.publish(job, headers)
+                if observer is None:
+                    await self.publisher.publish(job, {})
+                else:
+                    with observer.publish_span(job) as headers:
+                        await self.publisher.publish(job, headers)
             except anyio.get_cancelled_exc_class():
                 outcome.failed.append(job.ref)  # released below, in the shielded finally
                 raise
@@ -347,7 +366,8 @@ class DestinationAdmission:
         if not fresh:
             return
         try:
-            await self.ledger.mark_offered(fresh, offer_seconds=self.config.offer_seconds)
+            with self._span("mark_offered", self.config.destination, count=len(fresh)):
+                await self.ledger.mark_offered(fresh, offer_seconds=self.config.offer_seconds)
         except LedgerError as exc:
             log.warning("mark_offered_failed", count=len(fresh), error=str(exc))
             if final:

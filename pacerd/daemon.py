@@ -33,9 +33,13 @@ from pacerd.publisher import Broker
 from pacerd.reconciler import Reconciler, ReconcilerConfig, ReconcileResult
 from pacerd.sdnotify import Notifier
 from pacerd.signals import handle_signals
+from pacerd.telemetry import inject_traceparent
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from pacerd.config import Config
+    from pacerd.models import ClaimedJob
     from pacerd.telemetry import Telemetry
 
 log = structlog.get_logger("pacerd.daemon")
@@ -62,14 +66,25 @@ class TelemetryObserver:
             return nullcontext()
         return self.telemetry.tick_span(destination, shadow=shadow)
 
-    def trace_headers(self) -> dict[str, str]:
+    def claim_span(self, destination: str, *, limit: int) -> AbstractContextManager[Any]:
         if self.telemetry is None:
-            return {}
-        from pacerd.telemetry import inject_traceparent
+            return nullcontext()
+        return self.telemetry.claim_span(destination, limit=limit)
 
+    @contextlib.contextmanager
+    def publish_span(self, job: ClaimedJob) -> Iterator[dict[str, str]]:
         headers: dict[str, str] = {}
-        inject_traceparent(headers)
-        return headers
+        if self.telemetry is None:
+            yield headers
+            return
+        with self.telemetry.publish_span(job.destination, job_id=job.job_id, attempt=job.attempt):
+            inject_traceparent(headers)
+            yield headers
+
+    def mark_offered_span(self, destination: str, *, count: int) -> AbstractContextManager[Any]:
+        if self.telemetry is None:
+            return nullcontext()
+        return self.telemetry.mark_offered_span(destination, count=count)
 
     def tick_completed(self, result: TickResult) -> None:
         self.last[result.destination] = result
@@ -422,9 +437,17 @@ class Daemon:
             )
 
     def _on_outcomes(self, result: OutcomeResult) -> None:
-        if self.telemetry is not None and result.invalid:
-            for _ in range(result.invalid):
-                self.telemetry.record_invalid_outcome("malformed")
+        if self.telemetry is None:
+            return
+        for name, count in (
+            ("applied", result.applied),
+            ("stale", result.stale),
+            ("unknown", result.unknown),
+        ):
+            if count:
+                self.telemetry.outcomes_applied.add(count, {"result": name})
+        if result.invalid:
+            self.telemetry.outcomes_invalid.add(result.invalid, {"reason": "malformed"})
 
     async def _wait_broker(self) -> None:
         while not self.broker.connected:

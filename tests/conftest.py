@@ -8,6 +8,7 @@ commits or several connections gets a fresh clone of it.
 from __future__ import annotations
 
 import os
+import subprocess
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from urllib.parse import urlsplit, urlunsplit
@@ -76,6 +77,28 @@ async def ledger_(db_dsn: str) -> AsyncIterator[ledger.Ledger]:
     await led.close()
 
 
-@pytest.fixture
+def _rabbitmqctl(*args: str) -> bool:
+    try:
+        done = subprocess.run(
+            ["rabbitmqctl", "-q", *args], capture_output=True, timeout=60, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+@pytest.fixture(scope="session")
 def amqp_url() -> Iterator[str]:
-    yield AMQP_URL
+    """A RabbitMQ virtual host of this test session's own, so that concurrent
+    runs (and the demo) never consume each other's `pacerd.outcomes`. Falls
+    back to the configured URL where rabbitmqctl is not available."""
+    vhost = f"pacerd-test-{os.getpid()}"
+    if "PACERD_TEST_AMQP_URL" in os.environ or not _rabbitmqctl("add_vhost", vhost):
+        yield AMQP_URL
+        return
+    try:
+        _rabbitmqctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
+        parts = urlsplit(AMQP_URL)
+        yield urlunsplit(parts._replace(path=f"/{vhost}"))
+    finally:
+        _rabbitmqctl("delete_vhost", vhost)

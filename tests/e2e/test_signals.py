@@ -21,11 +21,14 @@ if TYPE_CHECKING:
 pytestmark = [pytest.mark.services, pytest.mark.timeout(120)]
 
 
-def _config(path: Path, dsn: str, *, rate: float, extra: str = "") -> Path:
+def _config(path: Path, dsn: str, *, rate: float, amqp_url: str) -> Path:
     path.write_text(
         f"""
 [database]
 dsn = "{dsn}"
+
+[broker]
+url = "{amqp_url}"
 
 [pacing]
 tick_seconds = 0.2
@@ -44,7 +47,6 @@ shutdown_grace_seconds = 5.0
 [telemetry]
 log_format = "json"
 log_level = "info"
-{extra}
 """
     )
     return path
@@ -119,11 +121,13 @@ async def _counts(dsn: str) -> dict[str, int]:
 
 
 async def test_sigterm_mid_drain_exits_0_with_no_job_left_claimed(
-    db_dsn: str, tmp_path: Path, pacerd_proc: list[Pacerd]
+    db_dsn: str, amqp_url: str, tmp_path: Path, pacerd_proc: list[Pacerd]
 ) -> None:
     destination = f"e2e-{uuid.uuid4().hex[:8]}"
     await _schedule(db_dsn, destination, 5000)
-    proc = Pacerd(_config(tmp_path / "c.toml", db_dsn, rate=2000), tmp_path / "log")
+    proc = Pacerd(
+        _config(tmp_path / "c.toml", db_dsn, rate=2000, amqp_url=amqp_url), tmp_path / "log"
+    )
     pacerd_proc.append(proc)
     await proc.wait_log('"pacerd_ready"')
     with anyio.fail_after(20):
@@ -138,11 +142,13 @@ async def test_sigterm_mid_drain_exits_0_with_no_job_left_claimed(
 
 
 async def test_second_sigterm_exits_promptly(
-    db_dsn: str, tmp_path: Path, pacerd_proc: list[Pacerd]
+    db_dsn: str, amqp_url: str, tmp_path: Path, pacerd_proc: list[Pacerd]
 ) -> None:
     destination = f"e2e-{uuid.uuid4().hex[:8]}"
     await _schedule(db_dsn, destination, 200)
-    proc = Pacerd(_config(tmp_path / "c.toml", db_dsn, rate=50), tmp_path / "log")
+    proc = Pacerd(
+        _config(tmp_path / "c.toml", db_dsn, rate=50, amqp_url=amqp_url), tmp_path / "log"
+    )
     pacerd_proc.append(proc)
     await proc.wait_log('"pacerd_ready"')
     proc.send(signal.SIGTERM)
@@ -152,11 +158,13 @@ async def test_second_sigterm_exits_promptly(
 
 
 async def test_sigusr1_pauses_admission_and_sigusr2_resumes_it(
-    db_dsn: str, tmp_path: Path, pacerd_proc: list[Pacerd]
+    db_dsn: str, amqp_url: str, tmp_path: Path, pacerd_proc: list[Pacerd]
 ) -> None:
     destination = f"e2e-{uuid.uuid4().hex[:8]}"
     await _schedule(db_dsn, destination, 3000)
-    proc = Pacerd(_config(tmp_path / "c.toml", db_dsn, rate=100), tmp_path / "log")
+    proc = Pacerd(
+        _config(tmp_path / "c.toml", db_dsn, rate=100, amqp_url=amqp_url), tmp_path / "log"
+    )
     pacerd_proc.append(proc)
     await proc.wait_log('"pacerd_ready"')
     with anyio.fail_after(20):
@@ -178,11 +186,11 @@ async def test_sigusr1_pauses_admission_and_sigusr2_resumes_it(
 
 
 async def test_sighup_applies_a_new_rate_and_keeps_running_on_an_invalid_file(
-    db_dsn: str, tmp_path: Path, pacerd_proc: list[Pacerd]
+    db_dsn: str, amqp_url: str, tmp_path: Path, pacerd_proc: list[Pacerd]
 ) -> None:
     destination = f"e2e-{uuid.uuid4().hex[:8]}"
     await _schedule(db_dsn, destination, 20000)
-    config = _config(tmp_path / "c.toml", db_dsn, rate=20)
+    config = _config(tmp_path / "c.toml", db_dsn, rate=20, amqp_url=amqp_url)
     proc = Pacerd(config, tmp_path / "log")
     pacerd_proc.append(proc)
     await proc.wait_log('"pacerd_ready"')

@@ -61,6 +61,12 @@ async def test_drains_2000_jobs_over_three_destinations_exactly_once(
         future = await conn.fetch(
             "SELECT attempt, state FROM pacerd.jobs WHERE job_id LIKE 'future-%'"
         )
+        # Every re-offer must be explained by an event (release or lease expiry).
+        reoffered = await conn.fetch(
+            "SELECT job_id, array_agg(event || coalesce(':' || (detail->>'reason'), '')"
+            " ORDER BY id) AS events FROM pacerd.job_events WHERE job_id IN"
+            " (SELECT job_id FROM pacerd.jobs WHERE attempt > 1) GROUP BY job_id"
+        )
     finally:
         await conn.close()
     assert len(completions) == 2000
@@ -69,7 +75,9 @@ async def test_drains_2000_jobs_over_three_destinations_exactly_once(
     assert not [job for job in pool.received if job["job_id"].startswith("future-")]
     assert max(pool.message_ids.values()) == 1, "a message id was delivered twice"
     per_destination = Counter(job["destination"] for job in pool.received)
-    assert per_destination == dict(zip(destinations, sizes, strict=True))
+    assert per_destination == dict(zip(destinations, sizes, strict=True)), [
+        dict(r) for r in reoffered
+    ]
     for tick in ticks.ticks:
         assert tick.claimed <= tick.budget, tick
 
