@@ -154,6 +154,7 @@ class Daemon:
             queue_type=cfg.broker.queue_type,
             publish_timeout_seconds=cfg.broker.publish_timeout_seconds,
             declare_queues=cfg.broker.declare_queues,
+            name=f"pacerd {self.instance}",
         )
         self.locks = ledger_module.LeaderLocks(cfg.database.dsn, instance=self.instance)
         self._broker_retry_at = 0.0

@@ -108,6 +108,7 @@ class Broker:
     queue_type: str = "quorum"
     publish_timeout_seconds: float = 10.0
     declare_queues: bool = True
+    name: str = "pacerd"
     _connection: AbstractRobustConnection | None = None
     _channel: AbstractChannel | None = None
     _declared: set[str] = field(default_factory=set)
@@ -125,7 +126,9 @@ class Broker:
     async def connect(self) -> None:
         await self.close()
         with translate_errors():
-            self._connection = await aio_pika.connect(self.url, timeout=10)  # type: ignore[assignment]
+            self._connection = await aio_pika.connect(  # type: ignore[assignment]
+                self.url, timeout=10, client_properties={"connection_name": self.name}
+            )
             assert self._connection is not None
             self._channel = await self._connection.channel(
                 publisher_confirms=True, on_return_raises=True
@@ -228,6 +231,10 @@ class Broker:
             await channel.set_qos(prefetch_count=prefetch)
             declared = await channel.get_queue(queue, ensure=False)
         batches = DeliveryBatches(max_batch=prefetch)
+        # A closed channel or connection ends the batches (BrokerUnavailable)
+        # instead of leaving the consumer waiting forever.
+        channel.close_callbacks.add(batches.close)
+        self._connection.close_callbacks.add(batches.close)
         with translate_errors():
             tag = await declared.consume(batches.put)
         try:
@@ -245,17 +252,30 @@ class DeliveryBatches:
     acknowledges them with one frame."""
 
     def __init__(self, *, max_batch: int) -> None:
-        self._queue: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
+        self._queue: asyncio.Queue[AbstractIncomingMessage | None] = asyncio.Queue()
         self.max_batch = max_batch
+        self.closed = False
 
     async def put(self, message: AbstractIncomingMessage) -> None:
         self._queue.put_nowait(message)
 
+    def close(self, *_args: object) -> None:
+        if not self.closed:
+            self.closed = True
+            self._queue.put_nowait(None)
+
     async def next_batch(self) -> list[Delivery]:
         first = await self._queue.get()
+        if first is None:
+            self._queue.put_nowait(None)
+            raise BrokerUnavailable("the outcome channel was closed")
         messages = [first]
         while len(messages) < self.max_batch and not self._queue.empty():
-            messages.append(self._queue.get_nowait())
+            message = self._queue.get_nowait()
+            if message is None:
+                self._queue.put_nowait(None)
+                break
+            messages.append(message)
         return [
             Delivery(
                 body=m.body,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import subprocess
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
@@ -94,7 +95,7 @@ class WorkerPool:
 async def worker_pool(
     amqp_url: str, queues: list[str], pool: WorkerPool, *, prefetch: int = 200
 ) -> AsyncIterator[WorkerPool]:
-    connection = await aio_pika.connect(amqp_url)
+    connection = await aio_pika.connect_robust(amqp_url)
     try:
         channel = await connection.channel(publisher_confirms=True)
         await channel.set_qos(prefetch_count=prefetch)
@@ -179,3 +180,27 @@ async def schedule_many(
         )
     finally:
         await conn.close()
+
+
+def close_broker_connections(name_prefix: str) -> int:
+    """Cuts the broker connections whose client-given name starts with
+    ``name_prefix`` (as a network fault would); returns how many."""
+    listing = subprocess.run(
+        ["rabbitmqctl", "-q", "list_connections", "pid", "client_properties", "--no-table-headers"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    cut = 0
+    for line in listing.splitlines():
+        pid, _, properties = line.partition("\t")
+        if f'{{"connection_name","{name_prefix}' in properties:
+            subprocess.run(
+                ["rabbitmqctl", "-q", "close_connection", pid.strip(), "test fault"],
+                capture_output=True,
+                timeout=60,
+                check=False,
+            )
+            cut += 1
+    return cut
