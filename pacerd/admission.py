@@ -173,13 +173,13 @@ class DestinationAdmission:
         self._previous_row: DestinationRow | None = None
         self._demand: pacer.Demand | None = None
         self.stop: anyio.Event | None = None
+        self._reset_requested = False
 
     def reset(self) -> None:
         """Forget local state (on losing leadership): the next leader, or this
-        instance later, resumes from what the ledger holds."""
-        self.state = None
-        self._previous_row = None
-        self._demand = None
+        instance later, resumes from what the ledger holds. Takes effect at
+        the start of the next tick, never in the middle of one."""
+        self._reset_requested = True
 
     def update_config(self, config: AdmissionConfig) -> None:
         self.config = config
@@ -204,16 +204,16 @@ class DestinationAdmission:
     async def _tick(self) -> TickResult:
         cfg = self.config
         dest = cfg.destination
+        if self._reset_requested:
+            self._reset_requested = False
+            self.state, self._previous_row, self._demand = None, None, None
         now = self.clock.monotonic()
         row = await self.ledger.read_destination(dest)
         if row is None:
             return TickResult(destination=dest, skipped="unknown")
-        if self.state is None:
-            self.state = self._load_state(row, now)
+        state = self.state if self.state is not None else self._load_state(row, now)
         previous, self._previous_row = self._previous_row, row
-        window = counters_window(
-            row, previous, interval_seconds=max(0.0, now - self.state.last_tick)
-        )
+        window = counters_window(row, previous, interval_seconds=max(0.0, now - state.last_tick))
         skipped = None
         if self.is_paused_locally():
             skipped = "paused_local"
@@ -221,7 +221,7 @@ class DestinationAdmission:
             skipped = "paused"
         inflight = await self.ledger.count_inflight(dest)
         state, plan = pacer.plan_tick(
-            self.state,
+            state,
             window,
             self._demand,
             now=now,

@@ -1,0 +1,448 @@
+"""The live demo (``bash scripts/demo.sh``): pacerd drains a 20,000-job backlog
+into two rate-limited model upstreams whose capacity steps down and up.
+
+Owns the orchestration only: a fresh database, a config file in a temp dir, the
+overdue backlog and a live trickle, one in-process ``ModelUpstream`` per
+destination, N ``pacerd worker`` processes running ``demo_app`` and one
+``pacerd run``; a live terminal view per destination (capacity, pacer rate,
+sent, refused, in flight, due, oldest-due age, drain ETA); at the end a summary
+(utilization, refusal %, duplicate side effects counted from the upstreams'
+idempotency keys, jobs lost checked against the ledger) and a PNG chart of rate
+vs capacity. It stops every process it started, also on Ctrl-C. It drives the
+daemon the way an operator would (CLI, config, SQL API) and reaches into
+nothing.
+
+    python -m pacerd.testing.demo [--duration 180] [--quick] [--workers 3]
+        [--jobs 18000] [--database pacerd_demo] [--output demo-output] [--no-live]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import quote, urlsplit, urlunsplit
+
+import anyio
+import anyio.to_thread
+import asyncpg
+from rich.console import Console
+from rich.live import Live
+
+from pacerd.client import Client
+from pacerd.clock import SystemClock
+from pacerd.publisher import ready_queue_name
+from pacerd.testing import demo_report as report
+from pacerd.testing.upstream import CapacitySchedule, ModelUpstream, UpstreamParams
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from anyio.abc import Process
+
+ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
+AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
+DEFAULT_DURATION, DEFAULT_JOBS = 180.0, 18_000
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DestinationPlan:
+    name: str
+    schedule: CapacitySchedule
+    retry_after: bool  # an LLM-style API says when to come back; a carrier API does not
+    latency_median_ms: float
+    error_rate: float
+    backlog: int
+    trickle_per_second: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DemoPlan:
+    duration_seconds: float
+    workers: int
+    destinations: tuple[DestinationPlan, ...]
+    run_id: str = field(default_factory=lambda: secrets.token_hex(3))
+
+    def config_toml(self, dsn: str, amqp_url: str) -> str:
+        """Short ticks and leases, so a few minutes show the whole story."""
+        return (
+            f'[database]\ndsn = "{dsn}"\n\n[broker]\nurl = "{amqp_url}"\n\n'
+            "[pacing]\ntick_seconds = 0.5\ninitial_rate = 10.0\nmin_rate = 2.0\n"
+            "max_rate = 400.0\nincrease_step = 2.0\nmax_inflight = 400\n"
+            "live_share = 0.2\nlive_window_seconds = 30.0\n\n"
+            "[leases]\nclaim_seconds = 15.0\noffer_seconds = 30.0\n\n"
+            "[retry]\nmax_attempts = 8\nbackoff_base_seconds = 0.5\nbackoff_cap_seconds = 10.0\n\n"
+            "[reconcile]\ninterval_seconds = 2.0\n\n[daemon]\nshutdown_grace_seconds = 5.0\n\n"
+            '[telemetry]\nservice_name = "pacerd-demo"\nlog_format = "json"\n'
+        )
+
+
+def make_plan(
+    *,
+    duration_seconds: float = DEFAULT_DURATION,
+    workers: int = 3,
+    jobs: int | None = None,
+    prefix: str = "demo",
+) -> DemoPlan:
+    """Two destinations, ``jobs`` overdue in all (default: 100 a second of run)."""
+    d = duration_seconds
+    total = jobs if jobs is not None else round(DEFAULT_JOBS * d / DEFAULT_DURATION)
+    llm = CapacitySchedule(((0.0, 100.0), (0.33 * d, 35.0), (0.67 * d, 90.0)))
+    carrier = CapacitySchedule(
+        ((0.0, 60.0), (0.3 * d, 110.0), (0.55 * d, 40.0), (0.8 * d, 80.0)), ramp=True
+    )
+    return DemoPlan(
+        duration_seconds=d,
+        workers=workers,
+        destinations=(
+            DestinationPlan(
+                name=f"{prefix}-llm",
+                schedule=llm,
+                retry_after=True,
+                latency_median_ms=150.0,
+                error_rate=0.0,
+                backlog=total // 2,
+                trickle_per_second=4.0,
+            ),
+            DestinationPlan(
+                name=f"{prefix}-carrier",
+                schedule=carrier,
+                retry_after=False,
+                latency_median_ms=80.0,
+                error_rate=0.01,
+                backlog=total - total // 2,
+                trickle_per_second=4.0,
+            ),
+        ),
+    )
+
+
+def dsn_for(admin_dsn: str, database: str) -> str:
+    base, _, _ = admin_dsn.rpartition("/")
+    return f"{base}/{database}"
+
+
+async def recreate_database(admin_dsn: str, database: str) -> str:
+    conn = await asyncpg.connect(admin_dsn)
+    try:
+        await conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+        await conn.execute(f'CREATE DATABASE "{database}"')
+    finally:
+        await conn.close()
+    return dsn_for(admin_dsn, database)
+
+
+async def schedule_backlog(client: Client, plan: DemoPlan, destination: DestinationPlan) -> int:
+    """``backlog`` jobs that fell due between an hour and ten minutes ago, in one statement."""
+    scheduled: int = await client.pool.fetchval(
+        "SELECT count(*) FILTER (WHERE pacerd.schedule(job_id => $1 || g, kind => 'demo.call',"
+        " destination => $2, payload => jsonb_build_object('n', g),"
+        " eligible_at => now() - make_interval(secs => 600 + 3000 * (1 - g::float8 / $3)))"
+        " = 'scheduled') FROM generate_series(1, $3) g",
+        backlog_prefix(plan, destination.name),
+        destination.name,
+        destination.backlog,
+    )
+    return scheduled
+
+
+def backlog_prefix(plan: DemoPlan, destination: str) -> str:
+    return f"{plan.run_id}-backlog-{destination}-"
+
+
+class Demo:
+    """One run: its processes, its upstreams, its samples."""
+
+    def __init__(self, plan: DemoPlan, *, dsn: str, amqp_url: str, output: Path) -> None:
+        self.plan, self.dsn, self.amqp_url, self.output = plan, dsn, amqp_url, output
+        self.clock = SystemClock()
+        self.upstreams: dict[str, ModelUpstream] = {}
+        self.processes: list[tuple[str, Process]] = []
+        self.live_ids: list[str] = []
+        self.samples: list[report.Sample] = []
+        self.stop = anyio.Event()
+        self.failure: str | None = None
+
+    async def start_upstreams(self) -> None:
+        for d in self.plan.destinations:
+            params = UpstreamParams(
+                schedule=d.schedule,
+                retry_after=d.retry_after,
+                error_rate=d.error_rate,
+                latency_median_ms=d.latency_median_ms,
+            )
+            upstream = ModelUpstream(params, log_path=str(self.output / f"upstream-{d.name}.jsonl"))
+            await upstream.start()
+            self.upstreams[d.name] = upstream
+
+    def child_env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PACERD_")}
+        upstreams = {name: u.url for name, u in self.upstreams.items()}
+        return env | {
+            "DEMO_UPSTREAMS": report.json_dumps(upstreams),
+            "OTEL_TRACES_EXPORTER": "none",
+            "OTEL_METRICS_EXPORTER": "none",
+            "PYTHONUNBUFFERED": "1",
+        }
+
+    async def spawn(self, name: str, args: Sequence[str], config: Path) -> None:
+        # a quick open at start-up; the child process owns the file afterwards
+        log = open(self.output / "logs" / f"{name}.log", "wb")  # noqa: ASYNC230, SIM115
+        command = [sys.executable, "-m", "pacerd", *args, "-c", str(config)]
+        process = await anyio.open_process(
+            command, env=self.child_env(), stdout=log, stderr=log, start_new_session=True
+        )
+        log.close()
+        self.processes.append((name, process))
+
+    async def stop_processes(self) -> None:
+        """The daemon first (stop admitting), then the workers; SIGKILL after 15 s."""
+        with anyio.CancelScope(shield=True):
+            for group in ("pacerd", "worker"):
+                procs = [p for n, p in self.processes if n.startswith(group)]
+                for p in procs:
+                    if p.returncode is None:
+                        with contextlib.suppress(ProcessLookupError):
+                            p.send_signal(signal.SIGTERM)
+                with anyio.move_on_after(15):
+                    for p in procs:
+                        await p.wait()
+                for p in procs:
+                    if p.returncode is None:
+                        with contextlib.suppress(ProcessLookupError):
+                            p.kill()
+                        await p.wait()
+            for _, p in self.processes:
+                await p.aclose()
+
+    async def trickle(self, client: Client, started: float) -> None:
+        """Live work: new jobs due now, a few a second per destination."""
+        count = 0
+        interval = 1.0 / sum(d.trickle_per_second for d in self.plan.destinations)
+        while not self.stop.is_set():
+            for d in self.plan.destinations:
+                count += 1
+                job_id = f"{self.plan.run_id}-live-{d.name}-{count}"
+                await client.schedule(job_id, kind="demo.call", destination=d.name, payload={})
+                self.live_ids.append(job_id)
+                await self.clock.sleep_until(started + count * interval)
+
+    async def sample(self, client: Client, t: float) -> list[report.Sample]:
+        status = {s.destination: s for s in await client.status()}
+        rows = await client.pool.fetch(
+            "SELECT destination, count(*) FILTER (WHERE state = 'completed') AS completed"
+            " FROM pacerd.jobs GROUP BY destination"
+        )
+        completed = {r["destination"]: r["completed"] for r in rows}
+        rates = await self.pacer_rates(client)
+        samples = []
+        for d in self.plan.destinations:
+            upstream = self.upstreams[d.name]
+            seconds = upstream.model.seconds(self.clock.monotonic())
+            last = seconds[-2] if len(seconds) > 1 else seconds[-1]
+            s = status.get(d.name)
+            samples.append(
+                report.Sample(
+                    t=t,
+                    destination=d.name,
+                    capacity=last.capacity,
+                    accepted=last.accepted,
+                    refused=last.refused,
+                    errors=last.errors,
+                    rate=s.rate if s and s.rate is not None else rates.get(d.name),
+                    due=s.due if s else d.backlog,
+                    inflight=s.inflight if s else 0,
+                    oldest_due_age_seconds=s.oldest_due_age_seconds if s else None,
+                    drain_eta_seconds=s.drain_eta_seconds if s else None,
+                    completed=completed.get(d.name, 0),
+                    dead=s.dead if s else 0,
+                )
+            )
+        return samples
+
+    @staticmethod
+    async def pacer_rates(client: Client) -> dict[str, float]:
+        """The rate each leader persisted (tolerating a JSON document stored as a JSON string)."""
+        rates = {}
+        for r in await client.pool.fetch(
+            "SELECT destination, pacer_state FROM pacerd.destinations"
+        ):
+            state = r["pacer_state"]
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                state = json.loads(state) if isinstance(state, str) else state
+                rates[r["destination"]] = float(state["tick"]["rate"])
+        return rates
+
+    async def watch(self, client: Client, live: Live | None, started: float) -> None:
+        for k in range(1, int(self.plan.duration_seconds) + 1):
+            await self.clock.sleep_until(started + k)
+            self.samples += await self.sample(client, float(k))
+            view = report.live_view(self.plan, self.samples, k, self.upstreams)
+            if live is not None:
+                live.update(view)
+            elif k % 5 == 0:
+                report.print_progress(self.samples[-len(self.plan.destinations) :], k)
+            if self.stop.is_set():
+                break
+
+    async def run(self, config: Path, *, live: bool) -> report.DemoSummary:
+        client = await Client.connect(self.dsn)
+        try:
+            for d in self.plan.destinations:
+                await schedule_backlog(client, self.plan, d)
+            await self.start_upstreams()
+            for i in range(self.plan.workers):
+                await self.spawn(
+                    f"worker-{i + 1}", ["worker", "--app", "pacerd.testing.demo_app:app"], config
+                )
+            await self.spawn("pacerd", ["run"], config)
+            started = self.clock.monotonic()
+            console = Console()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self.trickle, client, started)
+                tg.start_soon(self.on_signals, tg.cancel_scope)
+                for name, process in self.processes:
+                    tg.start_soon(self.watch_child, name, process)
+                with (
+                    Live(console=console, refresh_per_second=4)
+                    if live
+                    else contextlib.nullcontext() as view
+                ):
+                    await self.watch(client, view, started)
+                self.stop.set()
+                tg.cancel_scope.cancel()
+            await self.stop_processes()
+            return await report.summarize(
+                self.plan, client, self.samples, self.upstreams, self.live_ids
+            )
+        finally:
+            await self.stop_processes()
+            for upstream in self.upstreams.values():
+                await upstream.close()
+            await client.close()
+
+    async def watch_child(self, name: str, process: Process) -> None:
+        """A child that exits on its own ends the demo early, and says where to look."""
+        code = await process.wait()
+        if not self.stop.is_set():
+            log = self.output / "logs" / f"{name}.log"
+            self.failure = f"{name} exited on its own (status {code}): see {log}"
+            self.stop.set()
+
+    async def on_signals(self, scope: anyio.CancelScope) -> None:
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for _ in signals:
+                if self.stop.is_set():
+                    scope.cancel()
+                self.stop.set()  # finish early: stop, summarize, chart
+
+
+async def migrate(config: Path, env: dict[str, str]) -> None:
+    result = await anyio.run_process(
+        [sys.executable, "-m", "pacerd", "migrate", "-c", str(config)], env=env, check=False
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"pacerd migrate failed: {result.stderr.decode()[-2000:]}")
+
+
+async def delete_demo_queues(amqp_url: str, plan: DemoPlan) -> None:
+    import aio_pika
+
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        for d in plan.destinations:
+            channel = await connection.channel()
+            with contextlib.suppress(Exception):
+                await channel.queue_delete(ready_queue_name(d.name))
+
+
+async def isolated_amqp_url(amqp_url: str, vhost: str) -> str:
+    """``amqp_url`` on a vhost of the demo's own (made with ``rabbitmqctl``), so no other
+    pacerd on the broker consumes its outcomes; ``amqp_url`` itself when that fails."""
+    rabbitmqctl = shutil.which("rabbitmqctl")
+    if not vhost or rabbitmqctl is None:
+        return amqp_url
+    parts = urlsplit(amqp_url)
+    user = parts.username or "guest"
+    for args in (["add_vhost", vhost], ["set_permissions", "-p", vhost, user, ".*", ".*", ".*"]):
+        result = await anyio.run_process([rabbitmqctl, "-q", *args], check=False)
+        if result.returncode != 0:
+            return amqp_url
+    return urlunsplit(parts._replace(path="/" + quote(vhost, safe="")))
+
+
+async def amain(args: argparse.Namespace, plan: DemoPlan, workdir: Path, output: Path) -> int:
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=140)
+    backlog = sum(d.backlog for d in plan.destinations)
+    console.print(
+        f"[bold]pacerd demo[/]: {backlog:,} overdue jobs over {len(plan.destinations)}"
+        f" destinations, {plan.workers} workers, {plan.duration_seconds:.0f} s"
+    )
+    amqp_url = await isolated_amqp_url(args.amqp_url, args.vhost)
+    dsn = await recreate_database(args.admin_dsn, args.database)
+    config = workdir / "demo.toml"
+    for path in (config, output / "demo.toml"):  # the second is kept, for `pacerd status -c`
+        await anyio.Path(path).write_text(plan.config_toml(dsn, amqp_url))
+    demo = Demo(plan, dsn=dsn, amqp_url=amqp_url, output=output)
+    await migrate(config, demo.child_env())
+    await delete_demo_queues(amqp_url, plan)
+    try:
+        summary = await demo.run(config, live=not args.no_live and console.is_terminal)
+    finally:
+        await delete_demo_queues(amqp_url, plan)
+    chart = output / "pacing.png"
+    await anyio.to_thread.run_sync(report.write_chart, plan, demo.samples, chart)
+    await anyio.to_thread.run_sync(report.write_samples, demo.samples, output / "samples.jsonl")
+    report.print_summary(console, plan, summary, chart, database=args.database)
+    if demo.failure is not None:
+        console.print(f"[red]the demo stopped early: {demo.failure}[/]")
+        return 1
+    return 0 if summary.lost == 0 and summary.duplicates == 0 else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pacerd.testing.demo", description=__doc__)
+    p.add_argument("--duration", type=float, default=None, help="seconds (default 180)")
+    p.add_argument("--quick", action="store_true", help="about 20 s and 1,200 jobs")
+    p.add_argument("--workers", type=int, default=3, help="pacerd worker processes")
+    p.add_argument("--jobs", type=int, default=None, help="overdue jobs in all")
+    p.add_argument("--database", default="pacerd_demo", help="dropped and recreated")
+    p.add_argument("--admin-dsn", default=ADMIN_DSN)
+    p.add_argument("--amqp-url", default=AMQP_URL)
+    p.add_argument("--vhost", default="pacerd-demo", help="made if possible; '' for the URL's")
+    p.add_argument("--output", default="demo-output")
+    p.add_argument("--prefix", default="demo", help="destinations: PREFIX-llm, PREFIX-carrier")
+    p.add_argument("--no-live", action="store_true", help="progress lines, no live view")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    duration = args.duration or (20.0 if args.quick else DEFAULT_DURATION)
+    jobs = args.jobs if args.jobs is not None else (1200 if args.quick else None)
+    plan = make_plan(duration_seconds=duration, workers=args.workers, jobs=jobs, prefix=args.prefix)
+    output = Path(args.output).resolve()
+    (output / "logs").mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="pacerd-demo-"))
+    try:
+        code: int = anyio.run(amain, args, plan, workdir, output)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
