@@ -65,6 +65,10 @@ class AdmissionLedger(Protocol):
         self, destination: str, state: Mapping[str, Any], *, epoch: int
     ) -> None: ...
 
+    async def has_due(self, destination: str, *, at_least: int = 1) -> int:
+        """Counts due jobs, up to ``at_least`` (shadow mode's would-admit)."""
+        ...
+
 
 class TickObserver(Protocol):
     """Where a tick's spans and figures go (telemetry; tests record them)."""
@@ -106,7 +110,7 @@ class TickResult:
     rate: float = 0.0
     budget: int = 0
     live_budget: int = 0
-    claimed: int = 0
+    claimed: int = 0  # in shadow mode: what the tick would have claimed
     offered: int = 0
     released: int = 0
     inflight: int = 0
@@ -235,7 +239,11 @@ class DestinationAdmission:
             skipped = "cooldown"
         claimed: list[ClaimedJob] = []
         outcome = _Publishing()
-        if skipped is None and plan.budget > 0 and not cfg.shadow:
+        would_admit = 0
+        if skipped is None and plan.budget > 0 and cfg.shadow:
+            # Shadow mode: every decision is computed and reported; nothing is claimed.
+            would_admit = await self.ledger.has_due(dest, at_least=plan.budget)
+        elif skipped is None and plan.budget > 0:
             with self._span("claim", dest, limit=plan.budget):
                 claimed = await self.ledger.claim_due(
                     dest,
@@ -248,10 +256,11 @@ class DestinationAdmission:
                 )
             if claimed:
                 outcome = await self._publish_spread(claimed, plan.spacing_seconds)
+        admitted = would_admit if cfg.shadow else len(claimed)
         self._demand = pacer.Demand(
             budget=plan.budget if skipped is None else 0,
-            admitted=len(claimed),
-            backlog_empty=len(claimed) < plan.budget,
+            admitted=admitted,
+            backlog_empty=admitted < plan.budget,
             inflight_capped=plan.inflight_capped,
         )
         result = TickResult(
@@ -260,7 +269,7 @@ class DestinationAdmission:
             rate=state.rate,
             budget=plan.budget,
             live_budget=plan.live_budget,
-            claimed=len(claimed),
+            claimed=admitted,
             offered=len(outcome.confirmed),
             released=len(outcome.failed),
             inflight=inflight,
