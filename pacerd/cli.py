@@ -24,8 +24,9 @@ from pacerd.clock import SystemClock
 from pacerd.errors import ConfigError, PacerdError
 
 if TYPE_CHECKING:
-    from pacerd.config import Config
     from collections.abc import Awaitable, Callable, Sequence
+
+    from pacerd.config import Config
 
 EX_OK = 0
 EX_FAILURE = 1
@@ -62,11 +63,18 @@ def _json_arg(text: str, what: str) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # Options accepted before or after the verb. SUPPRESS keeps a subparser
+    # from overwriting a value given before the verb with its default.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
-        "-c", "--config", help="config file (default $PACERD_CONFIG, else /etc/pacerd/pacerd.toml)"
+        "-c",
+        "--config",
+        default=argparse.SUPPRESS,
+        help="config file (default $PACERD_CONFIG, else /etc/pacerd/pacerd.toml)",
     )
-    common.add_argument("--debug", action="store_true", help="show tracebacks")
+    common.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
+    )
 
     parser = argparse.ArgumentParser(
         prog="pacerd",
@@ -156,6 +164,8 @@ def _add_dead_filter(p: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.config = getattr(args, "config", None)
+    args.debug = getattr(args, "debug", False)
     try:
         return _dispatch(args)
     except ConfigError as exc:

@@ -1,0 +1,178 @@
+"""Every CLI verb, end to end against the real database (``python -m pacerd``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import TYPE_CHECKING
+
+import pytest
+
+from pacerd.client import Client
+from pacerd.ledger import Ledger
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+pytestmark = [pytest.mark.services, pytest.mark.timeout(120)]
+
+
+def pacerd(dsn: str, *args: str, config: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PACERD_")}
+    env["PACERD_DATABASE__DSN"] = dsn
+    command = [sys.executable, "-m", "pacerd"]
+    if config is not None:
+        command += ["-c", str(config)]
+    return subprocess.run(
+        [*command, *args], capture_output=True, text=True, env=env, timeout=60, check=False
+    )
+
+
+async def _kill(dsn: str, job_id: str) -> None:
+    """Drives one job to `dead`: claim it, then report a permanent failure."""
+    ledger = await Ledger.connect(dsn, max_size=2)
+    client = await Client.connect(dsn)
+    try:
+        job = (await client.show(job_id) or (None, []))[0]
+        assert job is not None
+        claimed = await ledger.claim_due(
+            job.destination, live_limit=0, limit=100, claim_seconds=30, epoch=0,
+            live_window_seconds=0, instance="test",
+        )  # fmt: skip
+        mine = [c for c in claimed if c.job_id == job_id]
+        assert mine, claimed
+        others = [c.ref for c in claimed if c.job_id != job_id]
+        await ledger.release_claims(others, reason="test")
+        assert await client.report(job_id, mine[0].attempt, "fail", error="bad input") == "applied"
+    finally:
+        await client.close()
+        await ledger.close()
+
+
+async def test_migrate_on_an_empty_database_then_again(empty_db_dsn: str) -> None:
+    first = pacerd(empty_db_dsn, "migrate")
+    assert first.returncode == 0, first.stderr
+    assert "applied 0001_ledger.sql" in first.stdout
+    again = pacerd(empty_db_dsn, "migrate")
+    assert again.returncode == 0
+    assert again.stdout.strip() == "ledger schema is up to date"
+
+
+async def test_check_config(db_dsn: str, tmp_path: Path) -> None:
+    good = pacerd(db_dsn, "check-config")
+    assert good.returncode == 0, good.stderr
+    assert "ok" in good.stdout
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[pacing]\ntick_second = 1\nmax_rate = -1\n")
+    result = pacerd(db_dsn, "check-config", config=bad)
+    assert result.returncode == 78
+    assert "pacing.tick_second = 1: unknown key, did you mean `tick_seconds`?" in result.stderr
+    assert "pacing.max_rate = -1: must be greater than 0" in result.stderr
+    assert "Traceback" not in result.stderr
+    missing = pacerd(db_dsn, "check-config", config=tmp_path / "nope.toml")
+    assert missing.returncode == 78
+
+
+async def test_schedule_show_status_cancel(db_dsn: str) -> None:
+    scheduled = pacerd(
+        db_dsn, "schedule", "cli-1", "--kind", "email", "--destination", "cli-dest",
+        "--payload", '{"to": "a@example.com"}', "--delay", "-5",
+    )  # fmt: skip
+    assert scheduled.returncode == 0, scheduled.stderr
+    assert scheduled.stdout.strip() == "cli-1: scheduled"
+    repeat = pacerd(db_dsn, "schedule", "cli-1", "--kind", "email", "--destination", "cli-dest")
+    assert repeat.stdout.strip() == "cli-1: unchanged"
+    revised = pacerd(
+        db_dsn, "schedule", "cli-1", "--kind", "email", "--destination", "cli-dest",
+        "--revision", "2", "--delay", "-5",
+    )  # fmt: skip
+    assert revised.stdout.strip() == "cli-1: revised"
+
+    shown = pacerd(db_dsn, "show", "cli-1", "--json")
+    assert shown.returncode == 0, shown.stderr
+    doc = json.loads(shown.stdout)
+    assert doc["state"] == "scheduled"
+    assert doc["revision"] == 2
+    assert [e["event"] for e in doc["history"]] == ["scheduled", "revised"]
+    human = pacerd(db_dsn, "show", "cli-1")
+    assert "cli-1" in human.stdout
+    assert "revised" in human.stdout
+
+    status = pacerd(db_dsn, "status", "--json")
+    assert status.returncode == 0, status.stderr
+    rows = {r["destination"]: r for r in json.loads(status.stdout)}
+    assert rows["cli-dest"]["due"] == 1
+    assert rows["cli-dest"]["oldest_due_age_seconds"] >= 4
+    assert rows["cli-dest"]["paused"] is False
+    table = pacerd(db_dsn, "status")
+    assert "cli-dest" in table.stdout
+
+    cancelled = pacerd(db_dsn, "cancel", "cli-1", "--reason", "no longer needed")
+    assert cancelled.stdout.strip() == "cli-1: cancelled"
+    assert pacerd(db_dsn, "cancel", "cli-1").stdout.strip() == "cli-1: unchanged"
+    unknown = pacerd(db_dsn, "cancel", "nope")
+    assert unknown.returncode == 1
+    missing = pacerd(db_dsn, "show", "nope")
+    assert missing.returncode == 1
+    assert missing.stderr.strip() == "pacerd: error: no job 'nope'"
+
+
+async def test_bad_input_is_one_line_and_non_zero(db_dsn: str) -> None:
+    empty = pacerd(db_dsn, "schedule", " ", "--kind", "k", "--destination", "d")
+    assert empty.returncode == 1
+    assert empty.stderr.strip() == "pacerd: error: pacerd.schedule: job_id must not be empty"
+    bad_json = pacerd(
+        db_dsn, "schedule", "j", "--kind", "k", "--destination", "d", "--payload", "{"
+    )
+    assert bad_json.returncode == 2
+    assert bad_json.stderr.startswith("pacerd: error: --payload is not valid JSON")
+    no_db = pacerd("postgresql://postgres@127.0.0.1:1/none", "status")
+    assert no_db.returncode == 1
+    assert no_db.stderr.startswith("pacerd: error: the ledger cannot be reached")
+    assert len(no_db.stderr.strip().splitlines()) == 1
+
+
+async def test_dead_and_replay_one_and_by_filter(db_dsn: str) -> None:
+    for n in range(3):
+        pacerd(db_dsn, "schedule", f"d-{n}", "--kind", "render", "--destination", "cli-dead")
+    for n in range(3):
+        await _kill(db_dsn, f"d-{n}")
+    listed = pacerd(db_dsn, "dead", "--destination", "cli-dead", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert sorted(j["job_id"] for j in json.loads(listed.stdout)) == ["d-0", "d-1", "d-2"]
+    assert {j["last_error"] for j in json.loads(listed.stdout)} == {"bad input"}
+    assert "bad input" in pacerd(db_dsn, "dead").stdout
+
+    no_reason = pacerd(db_dsn, "replay", "d-0")
+    assert no_reason.returncode == 2
+    one = pacerd(db_dsn, "replay", "d-0", "--reason", "input fixed")
+    assert one.stdout.strip() == "d-0: replayed"
+    history = json.loads(pacerd(db_dsn, "show", "d-0", "--json").stdout)["history"]
+    assert history[-1]["event"] == "replayed"
+    assert history[-1]["detail"]["reason"] == "input fixed"
+
+    dry = pacerd(db_dsn, "replay", "--destination", "cli-dead", "--reason", "x", "--dry-run")
+    assert dry.stdout.strip() == "2 dead job(s) would be replayed (2 match)"
+    assert len(json.loads(pacerd(db_dsn, "dead", "--json").stdout)) == 2
+    bulk = pacerd(db_dsn, "replay", "--error", "bad", "--reason", "bulk fix")
+    assert bulk.stdout.strip() == "replayed 2 dead job(s) (2 matched)"
+    assert json.loads(pacerd(db_dsn, "dead", "--json").stdout) == []
+    both = pacerd(db_dsn, "replay", "d-1", "--kind", "render", "--reason", "x")
+    assert both.returncode == 2
+
+
+async def test_pause_and_resume(db_dsn: str) -> None:
+    assert pacerd(db_dsn, "pause", "--destination", "p1").stdout.strip() == "p1: paused"
+    assert pacerd(db_dsn, "pause", "--destination", "p1").stdout.strip() == "p1: unchanged"
+    rows = {r["destination"]: r for r in json.loads(pacerd(db_dsn, "status", "--json").stdout)}
+    assert rows["p1"]["paused"] is True
+    assert rows["p1"]["state"] == "paused"
+    assert pacerd(db_dsn, "pause").stdout.strip() == "all destinations: paused"
+    rows = {r["destination"]: r for r in json.loads(pacerd(db_dsn, "status", "--json").stdout)}
+    assert rows["p1"]["state"] == "paused (all)"
+    assert pacerd(db_dsn, "resume").stdout.strip() == "all destinations: resumed"
+    rows = {r["destination"]: r for r in json.loads(pacerd(db_dsn, "status", "--json").stdout)}
+    assert rows["p1"]["paused"] is False
+    assert pacerd(db_dsn, "resume", "--destination", "p1").stdout.strip() == "p1: unchanged"
