@@ -107,6 +107,7 @@ class OutcomeConsumer:
         prefetch: int = 500,
         queue: str = OUTCOMES_QUEUE,
         on_result: Callable[[OutcomeResult], None] | None = None,
+        on_report: Callable[[Delivery, Report, str], None] | None = None,
         wait_connected: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.ledger = ledger
@@ -115,6 +116,7 @@ class OutcomeConsumer:
         self.prefetch = prefetch
         self.queue = queue
         self.on_result = on_result
+        self.on_report = on_report
         self.wait_connected = wait_connected
 
     async def _park(self, delivery: Delivery, why: str) -> None:
@@ -143,7 +145,9 @@ class OutcomeConsumer:
             await batches.requeue(deliveries)
             raise
         counts = {"applied": 0, "stale": 0, "unknown": 0}
-        for delivery, result in zip(parsed, results, strict=True):
+        for delivery, report, result in zip(parsed, reports, results, strict=True):
+            if self.on_report is not None:
+                self.on_report(delivery, report, result)
             if result in counts:
                 counts[result] += 1
             else:  # refused by the SQL API's own checks: park it too
