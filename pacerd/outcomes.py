@@ -10,8 +10,6 @@ batch; ``run`` loops, reconnecting through the daemon's broker supervisor.
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +17,7 @@ import anyio
 import structlog
 
 from pacerd.errors import BrokerUnavailable, LedgerUnavailable, PacerdError
-from pacerd.models import Outcome, Report
+from pacerd.protocol import InvalidOutcome, parse_outcome
 from pacerd.publisher import INVALID_QUEUE, OUTCOMES_QUEUE
 
 if TYPE_CHECKING:
@@ -27,62 +25,10 @@ if TYPE_CHECKING:
 
     from pacerd.clock import Clock
     from pacerd.ledger import Ledger
+    from pacerd.models import Report
     from pacerd.publisher import Broker, Delivery, DeliveryBatches
 
 log = structlog.get_logger("pacerd.outcomes")
-
-MAX_ERROR_CHARS = 4096
-_OUTCOMES = {o.value for o in Outcome}
-
-
-class InvalidOutcome(ValueError):
-    """The outcome message does not follow the protocol."""
-
-
-def parse_outcome(body: bytes) -> Report:
-    """Decodes and validates an outcome message (DESIGN.md, "Messages")."""
-    try:
-        doc = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidOutcome(f"body is not JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise InvalidOutcome(f"body must be a JSON object, got {type(doc).__name__}")
-    job_id = doc.get("job_id")
-    if not isinstance(job_id, str) or not job_id.strip():
-        raise InvalidOutcome("job_id must be a non-empty string")
-    attempt = doc.get("attempt")
-    if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 1:
-        raise InvalidOutcome(f"attempt must be an integer >= 1, got {attempt!r}")
-    if attempt > 2**31 - 1:
-        raise InvalidOutcome(f"attempt is out of range: {attempt}")
-    outcome = doc.get("outcome")
-    if outcome not in _OUTCOMES:
-        raise InvalidOutcome(f"outcome must be one of {sorted(_OUTCOMES)}, got {outcome!r}")
-    retry_after = doc.get("retry_after_s")
-    if retry_after is not None:
-        if (
-            not isinstance(retry_after, int | float)
-            or isinstance(retry_after, bool)
-            or not math.isfinite(retry_after)
-            or retry_after < 0
-        ):
-            raise InvalidOutcome(f"retry_after_s must be a number >= 0, got {retry_after!r}")
-        retry_after = float(retry_after)
-    error = doc.get("error")
-    if error is not None and not isinstance(error, str):
-        raise InvalidOutcome(f"error must be a string, got {type(error).__name__}")
-    detail = doc.get("detail")
-    if detail is not None and not isinstance(detail, dict):
-        raise InvalidOutcome(f"detail must be a JSON object, got {type(detail).__name__}")
-    return Report(
-        job_id=job_id,
-        attempt=attempt,
-        outcome=Outcome(outcome),
-        retry_after_s=retry_after,
-        error=error[:MAX_ERROR_CHARS] if error else error,
-        detail=detail,
-        cursor=doc.get("cursor"),
-    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

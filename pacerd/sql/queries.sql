@@ -8,25 +8,23 @@
 
 -- name: claim_due
 -- Claims up to $3 due jobs of destination $1, oldest first, $2 of them reserved for the live lane; sets the claim lease.
-WITH params AS (
-    SELECT coalesce($7::timestamptz, now()) AS now,
-           make_interval(secs => $6) AS live_window
-), live AS (
+WITH live AS (
     SELECT j.job_id, j.next_attempt_at
-    FROM pacerd.jobs j, params p
+    FROM pacerd.jobs j
     WHERE j.destination = $1 AND j.state = 'scheduled'
-      AND j.next_attempt_at <= p.now
-      AND j.next_attempt_at > p.now - p.live_window
+      AND j.next_attempt_at <= coalesce($7::timestamptz, now())
+      AND j.next_attempt_at > coalesce($7::timestamptz, now()) - make_interval(secs => $6)
       AND NOT j.ever_offered
     ORDER BY j.next_attempt_at
     LIMIT $3
     FOR UPDATE OF j SKIP LOCKED
 ), backlog AS (
     SELECT j.job_id, j.next_attempt_at
-    FROM pacerd.jobs j, params p
+    FROM pacerd.jobs j
     WHERE j.destination = $1 AND j.state = 'scheduled'
-      AND j.next_attempt_at <= p.now
-      AND (j.ever_offered OR j.next_attempt_at <= p.now - p.live_window)
+      AND j.next_attempt_at <= coalesce($7::timestamptz, now())
+      AND (j.ever_offered
+           OR j.next_attempt_at <= coalesce($7::timestamptz, now()) - make_interval(secs => $6))
     ORDER BY j.next_attempt_at
     LIMIT $3
     FOR UPDATE OF j SKIP LOCKED
@@ -45,20 +43,20 @@ WITH params AS (
     UPDATE pacerd.jobs j SET
         state = 'claimed',
         attempt = j.attempt + 1,
-        lease_expires_at = p.now + make_interval(secs => $4),
+        lease_expires_at = coalesce($7::timestamptz, now()) + make_interval(secs => $4),
         admit_epoch = $5,
         claimed_by = $8,
-        updated_at = p.now
-    FROM picked, params p
-    WHERE j.job_id = picked.job_id
+        updated_at = coalesce($7::timestamptz, now())
+    FROM picked
+    WHERE j.job_id = ANY (ARRAY(SELECT job_id FROM picked)) AND j.job_id = picked.job_id
     RETURNING j.job_id, j.kind, j.destination, j.attempt, j.revision, j.payload, j.cursor,
               j.next_attempt_at, picked.live
 ), events AS (
     INSERT INTO pacerd.job_events (job_id, attempt, event, at, detail)
-    SELECT c.job_id, c.attempt, 'claimed', p.now,
+    SELECT c.job_id, c.attempt, 'claimed', coalesce($7::timestamptz, now()),
            jsonb_build_object('lane', CASE WHEN c.live THEN 'live' ELSE 'backlog' END,
                               'by', $8::text, 'epoch', $5::bigint)
-    FROM claimed c, params p
+    FROM claimed c
 )
 SELECT job_id, kind, destination, attempt, revision, payload::text AS payload,
        cursor::text AS cursor, next_attempt_at, live
@@ -76,7 +74,11 @@ WITH params AS (
         lease_expires_at = p.now + make_interval(secs => $3),
         updated_at = p.now
     FROM unnest($1::text[], $2::int[]) AS c(job_id, attempt), params p
-    WHERE j.job_id = c.job_id AND j.attempt = c.attempt AND j.state = 'claimed'
+    WHERE j.job_id = c.job_id AND j.attempt = c.attempt
+      -- a CASE, so that the plan looks each job up by primary key: a plain
+      -- predicate matches the partial in-flight index, whose statistics are
+      -- stale in a burst (a scan of every job in flight for each mark)
+      AND CASE WHEN j.state = 'claimed' THEN true ELSE false END
     RETURNING j.job_id, j.attempt
 ), events AS (
     INSERT INTO pacerd.job_events (job_id, attempt, event, at)
@@ -106,12 +108,11 @@ SELECT job_id, attempt FROM released;
 
 -- name: reclaim_expired
 -- Returns up to $2 expired claims (no attempt spent) and offers (an attempt spent; dead at the cap).
-WITH params AS (
-    SELECT coalesce($1::timestamptz, now()) AS now
-), expired AS (
+WITH expired AS (
     SELECT j.job_id, j.state, j.attempt, j.failures, j.max_attempts
-    FROM pacerd.jobs j, params p
-    WHERE j.state IN ('claimed', 'offered') AND j.lease_expires_at < p.now
+    FROM pacerd.jobs j
+    WHERE j.state IN ('claimed', 'offered')
+      AND j.lease_expires_at < coalesce($1::timestamptz, now())
     ORDER BY j.lease_expires_at
     LIMIT $2
     FOR UPDATE OF j SKIP LOCKED
@@ -124,21 +125,23 @@ WITH params AS (
         last_error = CASE WHEN e.state = 'offered' THEN 'offer lease expired without an outcome'
                           ELSE j.last_error END,
         lease_expires_at = NULL,
+        ever_offered = true,  -- reclaimed leases are backlog (DESIGN.md, Lanes)
         claimed_by = NULL,
-        updated_at = p.now
-    FROM expired e, params p
-    WHERE j.job_id = e.job_id
+        updated_at = coalesce($1::timestamptz, now())
+    FROM expired e
+    WHERE j.job_id = ANY (ARRAY(SELECT job_id FROM expired)) AND j.job_id = e.job_id
     RETURNING j.job_id, j.attempt, j.destination, e.state AS previous_state, j.state, j.failures
 ), events AS (
     INSERT INTO pacerd.job_events (job_id, attempt, event, at, detail)
     SELECT r.job_id, r.attempt,
-           CASE WHEN r.state = 'dead' THEN 'dead' ELSE 'lease_expired' END, p.now,
+           CASE WHEN r.state = 'dead' THEN 'dead' ELSE 'lease_expired' END,
+           coalesce($1::timestamptz, now()),
            jsonb_build_object('lease', CASE WHEN r.previous_state = 'claimed' THEN 'claim'
                                             ELSE 'offer' END,
                               'failures', r.failures,
                               'reason', CASE WHEN r.state = 'dead' THEN 'attempts_exhausted'
                                              ELSE NULL END)
-    FROM reclaimed r, params p
+    FROM reclaimed r
 )
 SELECT job_id, attempt, destination, previous_state, state FROM reclaimed;
 
@@ -160,6 +163,7 @@ SELECT count(*) AS n FROM (
     SELECT 1 FROM pacerd.jobs
     WHERE destination = $1 AND state = 'scheduled'
       AND next_attempt_at <= coalesce($3::timestamptz, now())
+    ORDER BY next_attempt_at  -- an index range scan, whatever the statistics say
     LIMIT $2
 ) s;
 
@@ -226,11 +230,10 @@ ON CONFLICT (key) DO UPDATE SET value = excluded.value, updated_at = excluded.up
 WHERE pacerd.settings.value IS DISTINCT FROM excluded.value;
 
 -- name: apply_reports
--- Applies a batch of outcome reports through pacerd.report, in order, in the caller's transaction.
-SELECT pacerd.report(job_id => r.job_id, attempt => r.attempt, outcome => r.outcome,
-                     retry_after_s => r.retry_after_s, error => r.error,
-                     detail => r.detail, cursor => r.cursor) AS result
-FROM unnest($1::text[], $2::int[], $3::text[], $4::float8[], $5::text[], $6::jsonb[],
-            $7::jsonb[]) WITH ORDINALITY AS r(job_id, attempt, outcome, retry_after_s, error,
-                                             detail, cursor, n)
+-- Applies a batch of outcome reports with pacerd.report's effects, in order, in the caller's transaction (set-based: pacerd.report_many).
+SELECT r.result
+FROM unnest(pacerd.report_many(job_id => $1::text[], attempt => $2::int[], outcome => $3::text[],
+                               retry_after_s => $4::float8[], error => $5::text[],
+                               detail => $6::jsonb[], cursor => $7::jsonb[]))
+     WITH ORDINALITY AS r(result, n)
 ORDER BY r.n;

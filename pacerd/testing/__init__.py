@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 import aio_pika
 
 from pacerd.clock import SystemClock
-from pacerd.outcomes import InvalidOutcome, OutcomeConsumer, OutcomeResult, parse_outcome
+from pacerd.outcomes import OutcomeConsumer, OutcomeResult
+from pacerd.protocol import InvalidOutcome, parse_outcome
 from pacerd.publisher import INVALID_QUEUE, OUTCOMES_EXCHANGE, OUTCOMES_QUEUE, ready_queue_name
 from pacerd.telemetry import inject_traceparent
 

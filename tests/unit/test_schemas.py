@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from pacerd.models import ClaimedJob, Outcome, Report
-from pacerd.outcomes import InvalidOutcome, parse_outcome
+from pacerd.protocol import InvalidOutcome, parse_outcome
 from pacerd.publisher import ready_body
 from pacerd.worker import (
     Continue,

@@ -273,6 +273,12 @@ BEGIN
         PERFORM pacerd._reject('report', format(
             'retry_after_s must be a finite number >= 0, got %s', retry_after_s));
     END IF;
+    -- An upstream's Retry-After is outside data: bound it, so that a nonsense
+    -- value is a clear rejection rather than a timestamp overflow.
+    IF retry_after_s > 31536000 THEN
+        PERFORM pacerd._reject('report', format(
+            'retry_after_s must be at most 31536000 (365 days), got %s', retry_after_s));
+    END IF;
 
     SELECT * INTO v_job FROM pacerd.jobs j WHERE j.job_id = report.job_id FOR UPDATE;
     IF NOT FOUND THEN
@@ -291,8 +297,11 @@ BEGIN
         RETURN 'stale';
     END IF;
 
+    -- An applied report proves the message reached a worker, even when it beat
+    -- the publisher confirm: the job counts as offered, so whatever comes next
+    -- (a retry, a refusal, a continuation, a replay) is backlog, not live.
     IF outcome = 'ok' THEN
-        UPDATE pacerd.jobs j SET state = 'completed', lease_expires_at = NULL,
+        UPDATE pacerd.jobs j SET state = 'completed', lease_expires_at = NULL, ever_offered = true,
             cursor = coalesce(report.cursor, j.cursor), last_error = NULL, updated_at = now()
         WHERE j.job_id = v_job.job_id;
         PERFORM pacerd._event(v_job.job_id, attempt, 'completed', v_info);
@@ -300,13 +309,13 @@ BEGIN
         v_next := CASE WHEN retry_after_s IS NULL THEN v_job.next_attempt_at
                        ELSE greatest(v_job.next_attempt_at, now() + make_interval(secs => retry_after_s))
                   END;
-        UPDATE pacerd.jobs j SET state = 'scheduled', lease_expires_at = NULL,
+        UPDATE pacerd.jobs j SET state = 'scheduled', lease_expires_at = NULL, ever_offered = true,
             next_attempt_at = v_next, claimed_by = NULL, updated_at = now()
         WHERE j.job_id = v_job.job_id;
         PERFORM pacerd._event(v_job.job_id, attempt, 'refused', v_info);
     ELSIF outcome = 'retry' THEN
         IF v_job.failures + 1 >= v_job.max_attempts THEN
-            UPDATE pacerd.jobs j SET state = 'dead', lease_expires_at = NULL,
+            UPDATE pacerd.jobs j SET state = 'dead', lease_expires_at = NULL, ever_offered = true,
                 failures = j.failures + 1, last_error = report.error, claimed_by = NULL,
                 updated_at = now()
             WHERE j.job_id = v_job.job_id;
@@ -314,7 +323,7 @@ BEGIN
                 'reason', 'attempts_exhausted', 'failures', v_job.failures + 1));
         ELSE
             v_next := now() + make_interval(secs => pacerd._backoff_seconds(v_job.failures + 1));
-            UPDATE pacerd.jobs j SET state = 'scheduled', lease_expires_at = NULL,
+            UPDATE pacerd.jobs j SET state = 'scheduled', lease_expires_at = NULL, ever_offered = true,
                 failures = j.failures + 1, last_error = report.error, claimed_by = NULL,
                 next_attempt_at = v_next, updated_at = now()
             WHERE j.job_id = v_job.job_id;
@@ -322,13 +331,13 @@ BEGIN
                 'failures', v_job.failures + 1, 'next_attempt_at', v_next));
         END IF;
     ELSIF outcome = 'fail' THEN
-        UPDATE pacerd.jobs j SET state = 'dead', lease_expires_at = NULL,
+        UPDATE pacerd.jobs j SET state = 'dead', lease_expires_at = NULL, ever_offered = true,
             last_error = report.error, claimed_by = NULL, updated_at = now()
         WHERE j.job_id = v_job.job_id;
         PERFORM pacerd._event(v_job.job_id, attempt, 'dead', v_info || jsonb_build_object(
             'reason', 'failed'));
     ELSE  -- continue: checkpoint, eligible again at once, keeping its place in line
-        UPDATE pacerd.jobs j SET state = 'scheduled', lease_expires_at = NULL,
+        UPDATE pacerd.jobs j SET state = 'scheduled', lease_expires_at = NULL, ever_offered = true,
             cursor = report.cursor, claimed_by = NULL,
             next_attempt_at = least(j.next_attempt_at, now()), updated_at = now()
         WHERE j.job_id = v_job.job_id;
@@ -400,8 +409,9 @@ BEGIN
     IF v_job.state <> 'dead' THEN
         RETURN 'unchanged';
     END IF;
+    -- A replay is backlog (DESIGN.md, Lanes), never the live lane.
     UPDATE pacerd.jobs j SET state = 'scheduled', failures = 0, next_attempt_at = now(),
-        updated_at = now()
+        ever_offered = true, updated_at = now()
     WHERE j.job_id = v_job.job_id;
     PERFORM pacerd._event(v_job.job_id, v_job.attempt, 'replayed', jsonb_build_object(
         'reason', reason, 'failures_before', v_job.failures, 'last_error', v_job.last_error));

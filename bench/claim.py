@@ -1,0 +1,310 @@
+"""The claim path of the ledger alone (no broker): ``claim_due`` batches
+followed by ``mark_offered`` for each batch, on a scratch database of N due
+rows that this script creates and drops itself.
+
+    .venv/bin/python bench/claim.py                        # 10k and 1M rows, ~5 minutes
+    .venv/bin/python bench/claim.py --rows 1000000 --batch 500
+    .venv/bin/python bench/claim.py --rows 10000 --statement proposed --no-plans
+
+For every backlog size and batch size it prints rows/s, and p50/p99 of the
+per-batch latency (claim + confirm, and the claim alone), and for a batch of
+500 at every size the ``EXPLAIN (ANALYZE, BUFFERS)`` of the claim. The claim
+runs as the tick runs it: a live share of a fifth reserved (unused here: the
+backlog is all overdue), a 60 s live window, oldest first.
+
+``--statement`` picks the claim statement: ``current`` (``queries.sql``),
+``proposed`` (the rewrite below, which bounds the index scans by ``now`` and
+joins the UPDATE through the primary key), or ``both``.
+
+Each (size, batch) run claims at most ``--max-batches`` batches or
+``--max-seconds`` seconds, whichever comes first; the claimed rows are then
+put back and the table vacuumed, so every run starts from the same backlog.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import time
+import uuid
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+
+from pacerd import ledger
+
+ADMIN_DSN = os.environ.get("BENCH_ADMIN_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
+DESTINATION = "bench"
+LIVE_WINDOW_SECONDS = 60.0
+PLAN_BATCH = 500
+
+# queries.sql claim_due with `now` as a stable expression instead of a joined
+# CTE (so it bounds both index scans) and the UPDATE joined through the
+# primary key (so it never hash-joins a sequential scan). Same parameters,
+# same result.
+PROPOSED_CLAIM_DUE = """
+WITH live AS (
+    SELECT j.job_id, j.next_attempt_at
+    FROM pacerd.jobs j
+    WHERE j.destination = $1 AND j.state = 'scheduled'
+      AND j.next_attempt_at <= coalesce($7::timestamptz, now())
+      AND j.next_attempt_at > coalesce($7::timestamptz, now()) - make_interval(secs => $6)
+      AND NOT j.ever_offered
+    ORDER BY j.next_attempt_at
+    LIMIT $3
+    FOR UPDATE OF j SKIP LOCKED
+), backlog AS (
+    SELECT j.job_id, j.next_attempt_at
+    FROM pacerd.jobs j
+    WHERE j.destination = $1 AND j.state = 'scheduled'
+      AND j.next_attempt_at <= coalesce($7::timestamptz, now())
+      AND (j.ever_offered
+           OR j.next_attempt_at <= coalesce($7::timestamptz, now()) - make_interval(secs => $6))
+    ORDER BY j.next_attempt_at
+    LIMIT $3
+    FOR UPDATE OF j SKIP LOCKED
+), shares AS (
+    SELECT least((SELECT count(*) FROM live),
+                 greatest($2::bigint, $3::bigint - (SELECT count(*) FROM backlog))) AS n_live
+), picked AS (
+    SELECT l.job_id, true AS live FROM (
+        SELECT job_id, row_number() OVER (ORDER BY next_attempt_at, job_id) AS rn FROM live
+    ) l, shares s WHERE l.rn <= s.n_live
+    UNION ALL
+    SELECT b.job_id, false AS live FROM (
+        SELECT job_id, row_number() OVER (ORDER BY next_attempt_at, job_id) AS rn FROM backlog
+    ) b, shares s WHERE b.rn <= $3::bigint - s.n_live
+), claimed AS (
+    UPDATE pacerd.jobs j SET
+        state = 'claimed',
+        attempt = j.attempt + 1,
+        lease_expires_at = coalesce($7::timestamptz, now()) + make_interval(secs => $4),
+        admit_epoch = $5,
+        claimed_by = $8,
+        updated_at = coalesce($7::timestamptz, now())
+    FROM picked
+    WHERE j.job_id = ANY (ARRAY(SELECT job_id FROM picked)) AND j.job_id = picked.job_id
+    RETURNING j.job_id, j.kind, j.destination, j.attempt, j.revision, j.payload, j.cursor,
+              j.next_attempt_at, picked.live
+), events AS (
+    INSERT INTO pacerd.job_events (job_id, attempt, event, at, detail)
+    SELECT c.job_id, c.attempt, 'claimed', coalesce($7::timestamptz, now()),
+           jsonb_build_object('lane', CASE WHEN c.live THEN 'live' ELSE 'backlog' END,
+                              'by', $8::text, 'epoch', $5::bigint)
+    FROM claimed c
+)
+SELECT job_id, kind, destination, attempt, revision, payload::text AS payload,
+       cursor::text AS cursor, next_attempt_at, live
+FROM claimed
+ORDER BY next_attempt_at, job_id
+"""
+
+
+def dsn_for(database: str) -> str:
+    return urlunsplit(urlsplit(ADMIN_DSN)._replace(path=f"/{database}"))
+
+
+async def admin(sql: str) -> None:
+    conn = await asyncpg.connect(ADMIN_DSN)
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+async def seed(conn: asyncpg.Connection, rows: int, chunk: int = 250_000) -> float:
+    """N overdue first attempts of one destination (~200 B payloads), oldest first."""
+    t0 = time.perf_counter()
+    await conn.execute(
+        "INSERT INTO pacerd.destinations (destination) VALUES ($1) ON CONFLICT DO NOTHING",
+        DESTINATION,
+    )
+    for first in range(1, rows + 1, chunk):
+        last = min(rows, first + chunk - 1)
+        await conn.execute(
+            "INSERT INTO pacerd.jobs (job_id, kind, destination, max_attempts, next_attempt_at,"
+            " payload)"
+            " SELECT 'job-' || g, 'bench', $1, 10,"
+            "        now() - interval '30 days' + g * interval '1 millisecond',"
+            "        jsonb_build_object('n', g, 'pad', repeat('x', 160))"
+            " FROM generate_series($2::int, $3::int) g",
+            DESTINATION,
+            first,
+            last,
+        )
+    await conn.execute("VACUUM (ANALYZE) pacerd.jobs")
+    return time.perf_counter() - t0
+
+
+async def reset(conn: asyncpg.Connection) -> None:
+    """Puts every claimed or offered row back, as seeded, and cleans up."""
+    await conn.execute(
+        "UPDATE pacerd.jobs SET state = 'scheduled', attempt = 0, lease_expires_at = NULL,"
+        " ever_offered = false, claimed_by = NULL, admit_epoch = 0"
+        " WHERE state <> 'scheduled'"
+    )
+    await conn.execute("TRUNCATE pacerd.job_events")
+    await conn.execute("VACUUM (ANALYZE) pacerd.jobs")
+
+
+def percentile(values: list[float], q: float) -> float:
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
+
+
+async def run_batches(
+    led: ledger.Ledger, batch: int, *, max_batches: int, max_seconds: float
+) -> dict[str, float]:
+    per_batch: list[float] = []
+    claim_only: list[float] = []
+    claimed = 0
+    start = time.perf_counter()
+    for _ in range(max_batches):
+        t0 = time.perf_counter()
+        jobs = await led.claim_due(
+            DESTINATION,
+            live_limit=batch // 5,
+            limit=batch,
+            claim_seconds=30.0,
+            epoch=0,
+            live_window_seconds=LIVE_WINDOW_SECONDS,
+            instance="bench",
+        )
+        t1 = time.perf_counter()
+        if not jobs:
+            break
+        offered = await led.mark_offered([j.ref for j in jobs], offer_seconds=60.0)
+        t2 = time.perf_counter()
+        assert len(offered) == len(jobs), "a confirm was lost"
+        claimed += len(jobs)
+        per_batch.append(t2 - t0)
+        claim_only.append(t1 - t0)
+        if t2 - start > max_seconds:
+            break
+    elapsed = sum(per_batch)
+    return {
+        "batches": len(per_batch),
+        "rows": claimed,
+        "rows_per_s": claimed / elapsed if elapsed else 0.0,
+        "p50_ms": 1000 * percentile(per_batch, 50),
+        "p99_ms": 1000 * percentile(per_batch, 99),
+        "claim_p50_ms": 1000 * percentile(claim_only, 50),
+        "claim_p99_ms": 1000 * percentile(claim_only, 99),
+    }
+
+
+async def explain(conn: asyncpg.Connection, sql: str, batch: int) -> tuple[str, int, float]:
+    """EXPLAIN (ANALYZE, BUFFERS) of one claim, rolled back: (plan, buffers, ms)."""
+    tx = conn.transaction()
+    await tx.start()
+    try:
+        rows = await conn.fetch(
+            f"EXPLAIN (ANALYZE, BUFFERS) {sql}",
+            DESTINATION,
+            batch // 5,
+            batch,
+            30.0,
+            0,
+            LIVE_WINDOW_SECONDS,
+            None,
+            "bench-explain",
+        )
+    finally:
+        await tx.rollback()
+    text = "\n".join(r[0] for r in rows)
+    # The top node's buffers (inclusive of the claim's UPDATE) plus the history
+    # INSERT's (a CTE nothing reads, run on its own).
+    lines = text.splitlines()
+    starts = [0, *[i for i, line in enumerate(lines) if "Insert on job_events" in line][:1]]
+    buffers = 0
+    for start in starts:
+        line = next((x for x in lines[start:] if "Buffers: shared" in x), "")
+        for part in line.replace(",", " ").split():
+            if part.startswith(("hit=", "read=")):
+                buffers += int(part.split("=")[1])
+    ms = next(
+        (float(line.split()[2]) for line in text.splitlines() if line.startswith("Execution")),
+        0.0,
+    )
+    return text, buffers, ms
+
+
+async def bench_size(args: argparse.Namespace, rows: int) -> list[str]:
+    name = f"pacerd_bench_claim_{uuid.uuid4().hex[:8]}"
+    await admin(f'CREATE DATABASE "{name}"')
+    lines: list[str] = []
+    try:
+        dsn = dsn_for(name)
+        await ledger.migrate(dsn)
+        conn = await asyncpg.connect(dsn)
+        led = await ledger.Ledger.connect(dsn, max_size=2)
+        try:
+            seconds = await seed(conn, rows)
+            print(f"\n== {rows:,} due rows (seeded in {seconds:.1f} s) ==", flush=True)
+            current = led.queries["claim_due"]
+            variants = {
+                "current": current.sql,
+                "proposed": PROPOSED_CLAIM_DUE.strip(),
+            }
+            chosen = list(variants) if args.statement == "both" else [args.statement]
+            for variant in chosen:
+                led.queries["claim_due"] = ledger.Query(
+                    name="claim_due", description=current.description, sql=variants[variant]
+                )
+                plan, buffers, ms = await explain(conn, variants[variant], PLAN_BATCH)
+                summary = (
+                    f"{rows:>9,} rows  {variant:8s}  EXPLAIN batch {PLAN_BATCH}:"
+                    f" {buffers:,} buffers, {ms:.1f} ms"
+                )
+                print(summary, flush=True)
+                lines.append(summary)
+                if args.plans:
+                    print(plan, flush=True)
+                for batch in args.batch:
+                    result = await run_batches(
+                        led, batch, max_batches=args.max_batches, max_seconds=args.max_seconds
+                    )
+                    await reset(conn)
+                    line = (
+                        f"{rows:>9,} rows  {variant:8s}  batch {batch:>5}:"
+                        f" {result['rows_per_s']:>9,.0f} rows/s"
+                        f"  p50 {result['p50_ms']:7.1f} ms  p99 {result['p99_ms']:7.1f} ms"
+                        f"  (claim alone p50 {result['claim_p50_ms']:7.1f}"
+                        f" p99 {result['claim_p99_ms']:7.1f} ms;"
+                        f" {int(result['batches'])} batches, {int(result['rows']):,} rows)"
+                    )
+                    print(line, flush=True)
+                    lines.append(line)
+        finally:
+            await led.close()
+            await conn.close()
+    finally:
+        if not args.keep:
+            await admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    return lines
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else "")
+    parser.add_argument(
+        "--rows", type=int, nargs="+", default=[10_000, 1_000_000], help="backlog sizes"
+    )
+    parser.add_argument("--batch", type=int, nargs="+", default=[100, 500, 1000])
+    parser.add_argument("--statement", choices=["current", "proposed", "both"], default="both")
+    parser.add_argument("--max-batches", type=int, default=200, help="per (size, batch) run")
+    parser.add_argument("--max-seconds", type=float, default=20.0, help="per (size, batch) run")
+    parser.add_argument("--no-plans", dest="plans", action="store_false", help="no full plans")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch database")
+    args = parser.parse_args()
+    summary: list[str] = []
+    for rows in args.rows:
+        summary.extend(await bench_size(args, rows))
+    print("\n== summary ==")
+    print("\n".join(summary))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
