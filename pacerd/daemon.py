@@ -31,7 +31,7 @@ from pacerd.errors import ConfigError, LedgerUnavailable, MigrationError, Pacerd
 from pacerd.outcomes import OutcomeConsumer, OutcomeResult
 from pacerd.publisher import Broker
 from pacerd.reconciler import Reconciler, ReconcilerConfig, ReconcileResult
-from pacerd.sdnotify import Notifier
+from pacerd.sdnotify import Notifier, watchdog_interval_seconds
 from pacerd.signals import handle_signals
 from pacerd.telemetry import inject_traceparent
 
@@ -39,7 +39,8 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from pacerd.config import Config
-    from pacerd.models import ClaimedJob
+    from pacerd.models import ClaimedJob, Report
+    from pacerd.publisher import Delivery
     from pacerd.telemetry import Telemetry
 
 log = structlog.get_logger("pacerd.daemon")
@@ -156,12 +157,19 @@ class Daemon:
             declare_queues=cfg.broker.declare_queues,
             name=f"pacerd {self.instance}",
         )
-        self.locks = ledger_module.LeaderLocks(cfg.database.dsn, instance=self.instance)
+        self.locks = ledger_module.LeaderLocks(
+            cfg.database.dsn, instance=self.instance, clock=self.clock
+        )
+        self._leader_unrecorded: set[str] = set()  # led, `set_leader` not yet written
+        self._broker_down_since: float | None = None  # leadership is given up after a while
         self._broker_retry_at = 0.0
         self._broker_backoff = 0.5
         self._locks_retry_at = 0.0
         self.ready = False
         self.started_at = self.clock.monotonic()
+        # WATCHDOG=1 at half systemd's interval (at most once a second without one).
+        self._watchdog_every = min(1.0, watchdog_interval_seconds() or 1.0)
+        self._next_watchdog = 0.0
 
     # -- SignalTarget ----------------------------------------------------------
 
@@ -257,13 +265,37 @@ class Daemon:
             self._broker_backoff = min(self._broker_backoff * 2, 10.0)
 
     async def _supervise_leadership(self, destinations: list[str]) -> None:
+        """One pass of leadership: keep the lock session up, lead a fair share
+        of the destinations (ceil(destinations / live instances)), hand one
+        over per pass while leading more than that, and take the reconciler's
+        lock when it is free. Leadership changes only when instances come or
+        go. A destination taken here starts admitting one tick later (see
+        ``_run_admission``). An instance that cannot reach the broker for
+        ``max(5 s, 3 x tick)`` cannot admit: it closes its lock session (so
+        it no longer counts as an instance) until the broker is back."""
+        now = self.clock.monotonic()
+        if self.broker.connected:
+            self._broker_down_since = None
+        else:
+            self._broker_down_since = self._broker_down_since or now
+            grace = max(5.0, 3 * self.cfg.pacing.tick_seconds)
+            if now - self._broker_down_since >= grace:
+                if self.locks.backend_pid is not None:
+                    log.warning("leadership_session_closed", reason="broker_unavailable")
+                    assert self.ledger is not None
+                    for destination in self.locks.held:
+                        if destination != ledger_module.RECONCILER_LOCK:
+                            with contextlib.suppress(PacerdError):
+                                await self.ledger.set_leader(destination, None)
+                    await self.locks.close()
+                return
         if not await self.locks.alive():
             now = self.clock.monotonic()
             if now < self._locks_retry_at:
                 return
             try:
                 await self.locks.connect()
-                log.info("leadership_session_connected")
+                log.info("leadership_session_connected", backend_pid=self.locks.backend_pid)
             except PacerdError as exc:
                 self._locks_retry_at = now + 2.0
                 log.warning("leadership_session_unavailable", error=str(exc))
@@ -272,23 +304,42 @@ class Daemon:
         instances = await self.locks.count_instances()
         fair_share = math.ceil(len(destinations) / instances) if destinations else 0
         held = [d for d in destinations if self.locks.holds(d)]
-        if len(held) > fair_share and len(held) > 1:
+        handing_over = any(self.locks.releasing(d) for d in destinations)
+        if len(held) > fair_share and len(held) > 1 and not handing_over:
             give_up = sorted(held)[-1]
-            await self.locks.release(give_up)
-            self._admissions[give_up].reset()
-            log.info("leadership_released", destination=give_up, fair_share=fair_share)
+            self.locks.begin_release(give_up)  # its loop ends its tick, then unlocks
+            log.info(
+                "leadership_handover_started",
+                destination=give_up,
+                fair_share=fair_share,
+                instances=instances,
+            )
             held.remove(give_up)
         for destination in destinations:
             if len(held) >= max(fair_share, 1):
                 break
-            if destination in held:
+            if destination in held or self.locks.has_lock(destination):
                 continue
-            if await self.locks.try_acquire(destination):
+            admission = self._admissions.get(destination)
+            settle = (admission.config if admission else self._admission_config(destination)).params
+            if await self.locks.try_acquire(destination, settle_seconds=settle.tick_seconds):
                 held.append(destination)
+                self._leader_unrecorded.add(destination)
+                log.info(
+                    "leadership_acquired",
+                    destination=destination,
+                    admitting_in_seconds=settle.tick_seconds,
+                    fair_share=fair_share,
+                    instances=instances,
+                )
+        for destination in sorted(self._leader_unrecorded):
+            if self.locks.holds(destination):
                 await self.ledger.set_leader(destination, self.instance)
-                log.info("leadership_acquired", destination=destination)
-        if not self.locks.holds(ledger_module.RECONCILER_LOCK):
-            await self.locks.try_acquire(ledger_module.RECONCILER_LOCK)
+            self._leader_unrecorded.discard(destination)
+        if not self.locks.has_lock(ledger_module.RECONCILER_LOCK) and await self.locks.try_acquire(
+            ledger_module.RECONCILER_LOCK
+        ):
+            log.info("leadership_acquired", role="reconciler")
 
     async def _supervise_destinations(self, tg: anyio.abc.TaskGroup) -> list[str]:
         assert self.ledger is not None
@@ -318,15 +369,96 @@ class Daemon:
         return names
 
     async def _run_admission(self, admission: DestinationAdmission) -> None:
+        """The admission loop of one destination, on every instance.
+
+        Standby until this instance holds the destination's lock *and* one
+        tick has passed since it took it (``usable_at``): whoever led before
+        claimed last before its lock was free, so a new leader's first claim
+        comes at least one tick after the previous leader's last one, and
+        the two never publish at once. The first tick resumes from the
+        persisted pacer state (rate, credit, cut, ceiling), never from
+        ``initial_rate``. Then ticks run until leadership ends: a lost
+        session or a lapsed lease cancels the tick in flight at once (its
+        unpublished claims are released); a handover lets the tick finish,
+        then unlocks."""
         destination = admission.config.destination
+        locks = self.locks
+        while not self.stop_requested.is_set():
+            changed = locks.changed()
+            if locks.releasing(destination):
+                await self._hand_over(destination)
+                continue
+            now = self.clock.monotonic()
+            usable_at = locks.usable_at(destination)
+            if usable_at is None or now < usable_at:
+                admission.reset()
+                self._last_pass[destination] = now
+                wake = now + admission.config.params.tick_seconds
+                await self._await_leadership(
+                    changed, wake if usable_at is None else min(wake, usable_at)
+                )
+                continue
+            await self._admit_while_leading(admission)
+            admission.reset()
+
+    async def _admit_while_leading(self, admission: DestinationAdmission) -> None:
+        """Runs the destination's ticks until this instance stops leading it."""
+        destination = admission.config.destination
+        locks = self.locks
+        lost = False
 
         def leads() -> bool:
-            return self.locks.holds(destination) and self.broker.connected
+            return locks.holds(destination) and self.broker.connected
 
-        def on_pass() -> None:
-            self._last_pass[destination] = self.clock.monotonic()
+        log.info("admission_leading", destination=destination)
+        with anyio.CancelScope() as run_scope:
 
-        await run_destination(admission, leads=leads, stop=self.stop_requested, on_pass=on_pass)
+            def on_pass() -> None:
+                self._last_pass[destination] = self.clock.monotonic()
+                if not locks.holds(destination):
+                    run_scope.cancel()  # between ticks: handover, or lost after the tick
+
+            async def watch() -> None:
+                nonlocal lost
+                await locks.wait_lost(destination)
+                lost = True
+                log.warning("leadership_lost", destination=destination)
+                run_scope.cancel()  # at once, mid-tick: someone else may lead soon
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch)
+                await run_destination(
+                    admission, leads=leads, stop=self.stop_requested, on_pass=on_pass
+                )
+                tg.cancel_scope.cancel()
+        if not lost and not self.stop_requested.is_set() and not locks.has_lock(destination):
+            log.warning("leadership_lost", destination=destination)
+
+    async def _await_leadership(self, changed: anyio.Event, deadline: float) -> None:
+        """Waits until what this instance leads changes, a stop, or ``deadline``."""
+        with anyio.move_on_after(max(0.0, deadline - self.clock.monotonic())):
+            async with anyio.create_task_group() as tg:
+
+                async def on_stop() -> None:
+                    await self.stop_requested.wait()
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(on_stop)
+                await changed.wait()
+                tg.cancel_scope.cancel()
+
+    async def _hand_over(self, destination: str) -> None:
+        """Unlocks a destination whose last tick has ended (rebalancing)."""
+        assert self.ledger is not None
+        try:
+            await self.ledger.set_leader(destination, None)
+        except PacerdError as exc:
+            log.warning("set_leader_failed", destination=destination, error=str(exc))
+        try:
+            await self.locks.release(destination)
+        except PacerdError as exc:  # the session was given up: released all the same
+            log.warning("leadership_release_failed", destination=destination, error=str(exc))
+        log.info("leadership_released", destination=destination)
 
     def _apply_reload(self) -> None:
         self._reload_requested = False
@@ -389,8 +521,10 @@ class Daemon:
             if not started:
                 task_status.started()
                 started = True
-            if self._watchdog_due():
+            now = self.clock.monotonic()
+            if self.ready and now >= self._next_watchdog and self._watchdog_due():
                 self.notifier.watchdog()
+                self._next_watchdog = now + self._watchdog_every
             tick = min(
                 [a.config.params.tick_seconds for a in self._admissions.values()]
                 or [self.cfg.pacing.tick_seconds]
@@ -422,8 +556,8 @@ class Daemon:
                 await self.stop_requested.wait()
             if self.stop_requested.is_set():
                 break
-            if not self.locks.holds(ledger_module.RECONCILER_LOCK):
-                continue
+            if self.shadow or not self.locks.holds(ledger_module.RECONCILER_LOCK):
+                continue  # shadow mode changes nothing in the ledger
             try:
                 await reconciler.run_once()
             except PacerdError as exc:
@@ -437,16 +571,19 @@ class Daemon:
                 offers_dead=result.dead,
             )
 
+    def _on_report(self, delivery: Delivery, report: Report, result: str) -> None:
+        """One outcome applied: a span continuing the worker's trace, and a count."""
+        if self.telemetry is None:
+            return
+        with self.telemetry.outcome_span(
+            delivery.headers, job_id=report.job_id, attempt=report.attempt,
+            outcome=str(report.outcome),
+        ) as span:  # fmt: skip
+            self.telemetry.record_outcome(str(report.outcome), result, span=span)
+
     def _on_outcomes(self, result: OutcomeResult) -> None:
         if self.telemetry is None:
             return
-        for name, count in (
-            ("applied", result.applied),
-            ("stale", result.stale),
-            ("unknown", result.unknown),
-        ):
-            if count:
-                self.telemetry.outcomes_applied.add(count, {"result": name})
         if result.invalid:
             self.telemetry.outcomes_invalid.add(result.invalid, {"reason": "malformed"})
 
@@ -496,6 +633,7 @@ class Daemon:
                         clock=self.clock,
                         prefetch=self.cfg.broker.outcome_prefetch,
                         on_result=self._on_outcomes,
+                        on_report=self._on_report,
                         wait_connected=self._wait_broker,
                     )
                     reconciler = Reconciler(

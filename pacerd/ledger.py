@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 from dataclasses import dataclass
 from importlib import resources
 from typing import TYPE_CHECKING, Any, Protocol
 
+import anyio
 import asyncpg
 from asyncpg.pool import PoolConnectionProxy
 
+from pacerd.clock import SystemClock
 from pacerd.errors import LedgerError, LedgerRejected, LedgerUnavailable, MigrationError
 from pacerd.models import (
     ClaimedJob,
@@ -33,6 +36,8 @@ from pacerd.models import (
 if TYPE_CHECKING:
     import datetime as dt
     from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+
+    from pacerd.clock import Clock
 
 Conn = asyncpg.Connection | PoolConnectionProxy
 
@@ -436,97 +441,267 @@ async def _report_batch(conn: Conn, sql: str, reports: Sequence[Report]) -> list
 LEADER_NAMESPACE = 0x70616365  # advisory-lock class id for "destination leadership"
 RECONCILER_LOCK = "#reconciler"  # "#" is not allowed in a destination name
 LEADER_APPLICATION_NAME = "pacerd:leader"
+DEFAULT_LEASE_SECONDS = 5.0
 
 
 class LeaderLocks:
     """Leadership per destination: PostgreSQL session advisory locks held on
-    one dedicated connection. The database releases them the moment that
-    session ends, so losing the connection loses leadership before any other
-    instance can take it; ``alive()`` is checked before each pass, and a
-    closed connection drops every lock locally at once."""
+    one dedicated connection (application_name ``pacerd:leader``).
 
-    def __init__(self, dsn: str, *, instance: str) -> None:
+    Two clocks bound who may act as a leader, and they are ordered:
+
+    - PostgreSQL releases the locks the moment the session ends: at once when
+      the process dies or the socket closes, and after ``2 * lease_seconds``
+      of silence when the network is cut (the session's TCP keepalives and
+      ``tcp_user_timeout`` are set from ``lease_seconds``).
+    - This side trusts a lock for at most ``lease_seconds`` after the last
+      round trip that proved the session alive (measured from when that
+      probe was *sent*), and drops every lock at once when the connection
+      reports its end (asyncpg's termination listener).
+
+    So an instance cut off from the database stops acting as leader before
+    PostgreSQL lets anyone else take its locks. ``wait_lost()`` renews the
+    lease while it waits, so a leader does not depend on the supervisor's
+    cadence to keep it.
+
+    A destination being handed over (``begin_release``) is still locked but
+    no longer led: the admission loop finishes its tick, then ``release()``
+    unlocks it. ``try_acquire`` never locks a name twice (advisory locks are
+    re-entrant within a session, and a second lock would outlive one unlock).
+    """
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        instance: str,
+        clock: Clock | None = None,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+    ) -> None:
+        if lease_seconds <= 0:
+            raise ValueError("lease_seconds must be > 0")
         self.dsn = dsn
         self.instance = instance
+        self.clock: Clock = clock or SystemClock()
+        self.lease_seconds = lease_seconds
         self._conn: asyncpg.Connection | None = None
         self._held: set[str] = set()
+        self._releasing: set[str] = set()
+        self._usable_at: dict[str, float] = {}
+        self._confirmed_at = -math.inf
+        self._io: anyio.Lock | None = None
+        self._changed: anyio.Event | None = None
+
+    # -- local view (no I/O) ---------------------------------------------------
+
+    @property
+    def probe_timeout_seconds(self) -> float:
+        return self.lease_seconds / 2
+
+    @property
+    def backend_pid(self) -> int | None:
+        """The lock session's server process id (for logs and fault tests)."""
+        conn = self._conn
+        return None if conn is None or conn.is_closed() else conn.get_server_pid()
+
+    def _session_ok(self) -> bool:
+        conn = self._conn
+        if conn is None or conn.is_closed():
+            return False
+        return self.clock.monotonic() - self._confirmed_at <= self.lease_seconds
 
     @property
     def held(self) -> frozenset[str]:
-        if self._conn is None or self._conn.is_closed():
-            self._held.clear()
-        return frozenset(self._held)
+        """The names this instance may act as leader of now."""
+        if not self._session_ok():
+            return frozenset()
+        return frozenset(self._held - self._releasing)
 
     def holds(self, name: str) -> bool:
         return name in self.held
 
+    def has_lock(self, name: str) -> bool:
+        """Whether the lock of ``name`` is ours (led or being handed over)."""
+        return name in self._held and self._session_ok()
+
+    def releasing(self, name: str) -> bool:
+        return name in self._releasing and name in self._held
+
+    def usable_at(self, name: str) -> float | None:
+        """When this instance may start admitting for ``name`` (monotonic), or
+        None when it does not lead it."""
+        return self._usable_at.get(name) if self.holds(name) else None
+
+    def changed(self) -> anyio.Event:
+        """An event set at the next change of what is held."""
+        if self._changed is None:
+            self._changed = anyio.Event()
+        return self._changed
+
+    def _notify(self) -> None:
+        changed, self._changed = self._changed, None
+        if changed is not None:
+            changed.set()
+
+    def _forget(self) -> None:
+        self._held.clear()
+        self._releasing.clear()
+        self._usable_at.clear()
+        self._notify()
+
+    def _lock(self) -> anyio.Lock:
+        if self._io is None:
+            self._io = anyio.Lock()
+        return self._io
+
+    def _drop(self) -> None:
+        """Gives the session up: every lock is lost here now, and PostgreSQL
+        releases them when the socket closes (or the keepalives expire)."""
+        conn, self._conn = self._conn, None
+        self._forget()
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.terminate()
+
+    # -- the session ------------------------------------------------------------
+
     async def connect(self) -> None:
         await self.close()
+        lease = self.lease_seconds
+        settings = {
+            "application_name": LEADER_APPLICATION_NAME,
+            # A cut network ends the session server-side after 2 * lease of
+            # silence: later than this side stops trusting it (1 * lease).
+            "tcp_keepalives_idle": str(max(1, math.ceil(lease))),
+            "tcp_keepalives_interval": "1",
+            "tcp_keepalives_count": str(max(1, math.ceil(lease))),
+            "tcp_user_timeout": str(math.ceil(2000 * lease)),
+        }
+        sent = self.clock.monotonic()
         with translate_errors():
-            self._conn = await asyncpg.connect(
-                self.dsn,
-                timeout=10,
-                server_settings={"application_name": LEADER_APPLICATION_NAME},
-            )
-        self._conn.add_termination_listener(lambda _conn: self._held.clear())
+            conn = await asyncpg.connect(self.dsn, timeout=10, server_settings=settings)
+        self._conn = conn
+        self._confirmed_at = sent
+        conn.add_termination_listener(self._on_terminated)
+
+    def _on_terminated(self, conn: Conn) -> None:
+        if conn is self._conn:
+            self._forget()
 
     async def close(self) -> None:
         conn, self._conn = self._conn, None
-        self._held.clear()
+        self._forget()
         if conn is not None:
             with contextlib.suppress(Exception):
                 await conn.close(timeout=2)
 
-    async def alive(self, *, timeout_seconds: float = 2.0) -> bool:
-        """Checks the lock session answers; on failure, drops every lock."""
-        conn = self._conn
-        if conn is None or conn.is_closed():
-            self._held.clear()
-            return False
-        try:
-            await conn.fetchval("SELECT 1", timeout=timeout_seconds)
-        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError):
-            self._held.clear()
-            with contextlib.suppress(Exception):
-                conn.terminate()
-            self._conn = None
-            return False
-        return True
-
-    async def try_acquire(self, name: str) -> bool:
-        if name in self.held:
-            return True
+    async def _query(self, sql: str, *args: Any) -> Any:
+        """One statement on the lock session, serialised, bounded in time and
+        shielded (a cancelled query must not disturb the session); a session
+        that does not answer in time is given up."""
         conn = self._conn
         if conn is None:
+            raise LedgerUnavailable("the leadership session is not connected")
+        try:
+            with anyio.CancelScope(shield=True):
+                return await conn.fetchval(sql, *args, timeout=self.probe_timeout_seconds)
+        except (asyncpg.InterfaceError, OSError, TimeoutError, asyncpg.PostgresError) as exc:
+            if conn is self._conn:
+                self._drop()
+            raise LedgerUnavailable(f"the leadership session failed: {exc}") from exc
+
+    async def alive(self, *, timeout_seconds: float | None = None) -> bool:
+        """Checks the lock session answers and renews the lease; on failure,
+        drops every lock (and the session)."""
+        conn = self._conn
+        if conn is None or conn.is_closed():
+            if self._held:
+                self._forget()
             return False
-        with translate_errors():
+        async with self._lock():
+            if conn is not self._conn:
+                return self._conn is not None
+            sent = self.clock.monotonic()
+            try:
+                await self._query("SELECT 1")
+            except LedgerUnavailable:
+                return False
+            self._confirmed_at = max(self._confirmed_at, sent)
+        return True
+
+    async def renew(self) -> bool:
+        """Renews the lease unless a probe did so recently."""
+        if self.clock.monotonic() - self._confirmed_at < self.lease_seconds / 4:
+            return self._session_ok()
+        return await self.alive()
+
+    async def wait_lost(self, name: str) -> None:
+        """Returns once the lock of ``name`` may no longer be ours (the session
+        ended, or its lease lapsed); renews the lease meanwhile. A handover
+        does not count: it ends between ticks (see ``begin_release``)."""
+        while self.has_lock(name):
+            now = self.clock.monotonic()
+            renew_at = self._confirmed_at + self.lease_seconds / 4
+            if now >= renew_at:
+                with anyio.move_on_after(max(0.0, self._confirmed_at + self.lease_seconds - now)):
+                    await self.renew()
+                continue
+            changed = self.changed()
+            with anyio.move_on_after(renew_at - now):
+                await changed.wait()
+
+    # -- locks ---------------------------------------------------------------------
+
+    async def try_acquire(self, name: str, *, settle_seconds: float = 0.0) -> bool:
+        """Takes the lock of ``name`` if free; the new leader may admit after
+        ``settle_seconds`` (``usable_at``)."""
+        if name in self._held:
+            return self.holds(name)
+        if self._conn is None:
+            return False
+        async with self._lock():
+            sent = self.clock.monotonic()
             got = bool(
-                await conn.fetchval(
+                await self._query(
                     "SELECT pg_try_advisory_lock($1, hashtext($2))", LEADER_NAMESPACE, name
                 )
             )
+            self._confirmed_at = max(self._confirmed_at, sent)
         if got:
             self._held.add(name)
+            self._usable_at[name] = self.clock.monotonic() + settle_seconds
+            self._notify()
         return got
 
+    def begin_release(self, name: str) -> None:
+        """Stops leading ``name`` but keeps its lock until ``release()``."""
+        if name in self._held:
+            self._releasing.add(name)
+            self._notify()
+
     async def release(self, name: str) -> None:
-        conn = self._conn
-        if conn is None or name not in self._held:
+        """Unlocks ``name`` (this side forgets it first). If the unlock fails,
+        the whole session is given up so the lock cannot linger."""
+        self._releasing.discard(name)
+        self._usable_at.pop(name, None)
+        if name not in self._held:
             return
         self._held.discard(name)
-        with translate_errors():
-            await conn.fetchval(
-                "SELECT pg_advisory_unlock($1, hashtext($2))", LEADER_NAMESPACE, name
-            )
+        self._notify()
+        if self._conn is None:
+            return
+        async with self._lock():
+            await self._query("SELECT pg_advisory_unlock($1, hashtext($2))", LEADER_NAMESPACE, name)
 
     async def count_instances(self) -> int:
-        """Live pacerd instances: sessions holding a leadership connection."""
-        conn = self._conn
-        if conn is None:
+        """Live pacerd instances on this ledger: leadership sessions connected
+        to this database (other databases of the cluster do not count)."""
+        if self._conn is None:
             return 1
-        with translate_errors():
-            n = await conn.fetchval(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
+        async with self._lock():
+            n = await self._query(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE application_name = $1 AND datname = current_database()",
                 LEADER_APPLICATION_NAME,
             )
         return max(1, int(n or 0))

@@ -1,0 +1,479 @@
+"""Helpers for the high-availability tests and the failover benchmark:
+`pacerd run` instances as subprocesses (JSON debug logs), the model upstream
+behind the worker library, and the ledger queries that check one budget per
+destination whatever happens to the instances."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import asyncpg
+
+from pacerd.testing.demo_app import call_upstream
+from pacerd.testing.upstream import CapacitySchedule, ModelUpstream, UpstreamParams
+from pacerd.worker import Job, Worker, WorkerApp
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Iterable, Sequence
+    from pathlib import Path
+
+LEADER_NAMESPACE = 0x70616365  # pacerd.ledger.LEADER_NAMESPACE
+
+# `python -m pacerd run`, with the AMQP client libraries' debug logs (a line per
+# frame) kept out of the log: the tests read pacerd's own debug events.
+RUN_PACERD = """
+import logging, sys
+for name in ("aiormq", "aio_pika"):
+    logging.getLogger(name).setLevel(logging.INFO)
+from pacerd.cli import main
+sys.exit(main())
+"""
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Pacing:
+    tick_seconds: float = 0.25
+    initial_rate: float = 10.0
+    min_rate: float = 1.0
+    max_rate: float = 200.0
+    claim_seconds: float = 2.0
+    offer_seconds: float = 60.0
+    reconcile_seconds: float = 0.5
+    publish_timeout_seconds: float = 10.0
+
+
+def write_config(
+    path: Path, *, dsn: str, amqp_url: str, instance: str, pacing: Pacing, pool_max_size: int = 3
+) -> Path:
+    path.write_text(
+        f"""
+[database]
+dsn = "{dsn}"
+pool_max_size = {pool_max_size}
+
+[broker]
+url = "{amqp_url}"
+publish_timeout_seconds = {pacing.publish_timeout_seconds}
+
+[pacing]
+tick_seconds = {pacing.tick_seconds}
+initial_rate = {pacing.initial_rate}
+min_rate = {pacing.min_rate}
+max_rate = {pacing.max_rate}
+
+[leases]
+claim_seconds = {pacing.claim_seconds}
+offer_seconds = {pacing.offer_seconds}
+
+[reconcile]
+interval_seconds = {pacing.reconcile_seconds}
+
+[daemon]
+instance_name = "{instance}"
+shutdown_grace_seconds = 5.0
+
+[telemetry]
+log_format = "json"
+log_level = "debug"
+"""
+    )
+    return path
+
+
+class Instance:
+    """One `pacerd run` subprocess, its JSON log, and when it was killed."""
+
+    def __init__(self, name: str, config: Path, log: Path) -> None:
+        self.name = name
+        self.config = config
+        self.log = log
+        self.killed_at: dt.datetime | None = None
+        env = {**os.environ, "OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none"}
+        env = {k: v for k, v in env.items() if not k.startswith("PACERD_") or "TEST" in k}
+        env["PYTHONUNBUFFERED"] = "1"  # a kill -9 must not lose the log lines written so far
+        self._out = log.open("ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", RUN_PACERD, "run", "-c", str(config)],
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def events(self, event: str | None = None, **match: object) -> list[dict[str, Any]]:
+        out = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            if not line.startswith("{"):
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if event is not None and record.get("event") != event:
+                continue
+            if all(record.get(k) == v for k, v in match.items()):
+                record["at"] = dt.datetime.fromisoformat(record["timestamp"])
+                out.append(record)
+        return out
+
+    async def wait_event(
+        self, event: str, *, within: float = 20, **match: object
+    ) -> dict[str, Any]:
+        with anyio.fail_after(within):
+            while not (found := self.events(event, **match)):
+                assert self.alive, self.log.read_text()[-3000:]
+                await anyio.sleep(0.05)
+        return found[0]
+
+    def kill9(self) -> dt.datetime:
+        self.killed_at = utcnow()
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+        self._out.close()
+        return self.killed_at
+
+    def terminate(self) -> None:
+        if self.alive:
+            self.process.send_signal(signal.SIGTERM)
+
+    async def wait_exit(self, *, within: float) -> int:
+        with anyio.fail_after(within):
+            while self.process.poll() is None:
+                await anyio.sleep(0.05)
+        self._out.close()
+        return self.process.returncode
+
+    def stop_now(self) -> None:
+        if self.alive:
+            self.process.kill()
+            self.process.wait()
+        self._out.close()
+
+
+class Cluster:
+    """The instances of one test, on one ledger; stopped at the end."""
+
+    def __init__(self, dir: Path, *, dsn: str, amqp_url: str, pacing: Pacing) -> None:
+        self.dir, self.dsn, self.amqp_url, self.pacing = dir, dsn, amqp_url, pacing
+        self.instances: dict[str, Instance] = {}
+
+    def start(self, name: str, *, dsn: str | None = None, amqp_url: str | None = None) -> Instance:
+        config = write_config(
+            self.dir / f"{name}.toml",
+            dsn=dsn or self.dsn,
+            amqp_url=amqp_url or self.amqp_url,
+            instance=name,
+            pacing=self.pacing,
+        )
+        instance = Instance(name, config, self.dir / f"{name}.log")
+        self.instances[name] = instance
+        return instance
+
+    async def stop(self, *, within: float = 20) -> dict[str, int]:
+        live = [i for i in self.instances.values() if i.alive]
+        for instance in live:
+            instance.terminate()
+        return {i.name: await i.wait_exit(within=within) for i in live}
+
+    def kill_all(self) -> None:
+        for instance in self.instances.values():
+            instance.stop_now()
+
+    def ticks(self, destination: str) -> list[Tick]:
+        out = []
+        for instance in self.instances.values():
+            for e in instance.events("tick_completed", destination=destination):
+                out.append(
+                    Tick(
+                        by=instance.name,
+                        at=e["at"],
+                        rate=e["rate"],
+                        budget=e["budget"],
+                        claimed=e["claimed"],
+                    )
+                )
+        return sorted(out, key=lambda t: t.at)
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """One `tick_completed` log line (written at the end of the tick)."""
+
+    by: str
+    at: dt.datetime
+    rate: float
+    budget: int
+    claimed: int
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimGroup:
+    """The jobs one tick claimed: one claim statement, so one `at`."""
+
+    destination: str
+    by: str
+    at: dt.datetime
+    n: int
+
+
+async def claim_groups(dsn: str, destination: str | None = None) -> list[ClaimGroup]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch(
+            "SELECT j.destination, e.detail->>'by' AS by, e.at, count(*) AS n"
+            " FROM pacerd.job_events e JOIN pacerd.jobs j USING (job_id)"
+            " WHERE e.event = 'claimed' AND ($1::text IS NULL OR j.destination = $1)"
+            " GROUP BY 1, 2, 3 ORDER BY e.at",
+            destination,
+        )
+    finally:
+        await conn.close()
+    return [ClaimGroup(r["destination"], r["by"], r["at"], r["n"]) for r in rows]
+
+
+async def first_claim_after(
+    dsn: str, destination: str, after: dt.datetime, *, within: float, not_by: str | None = None
+) -> ClaimGroup:
+    with anyio.fail_after(within):
+        while True:
+            for group in await claim_groups(dsn, destination):
+                if group.at > after and group.by != not_by:
+                    return group
+            await anyio.sleep(0.05)
+
+
+def handoffs(groups: Sequence[ClaimGroup]) -> list[tuple[ClaimGroup, ClaimGroup]]:
+    """Consecutive claim groups of one destination by different instances."""
+    by_destination: dict[str, list[ClaimGroup]] = defaultdict(list)
+    for g in groups:
+        by_destination[g.destination].append(g)
+    out = []
+    for seq in by_destination.values():
+        seq.sort(key=lambda g: g.at)
+        out += [(a, b) for a, b in itertools.pairwise(seq) if a.by != b.by]
+    return out
+
+
+def assert_one_leader_at_a_time(groups: Sequence[ClaimGroup], tick_seconds: float) -> None:
+    """A new leader's first claim comes at least one tick after the previous
+    leader's last one, so no tick-long window holds claims of two instances:
+    the upstream sees one budget per destination."""
+    for a, b in handoffs(groups):
+        gap = (b.at - a.at).total_seconds()
+        assert gap >= tick_seconds - 0.005, f"two leaders within one tick: {a} then {b}"
+
+
+def assert_claims_within_budgets(
+    groups: Sequence[ClaimGroup],
+    cluster: Cluster,
+    destination: str,
+    *,
+    cut_short: dict[str, list[dt.datetime]] | None = None,
+) -> list[tuple[ClaimGroup, Tick | None]]:
+    """Matches every claim group of ``destination`` with the tick that made it
+    (the instance's next `tick_completed` line) and checks claimed <= budget.
+    A group with no log line is allowed only as the last claim of an
+    instance before it was killed or lost its leadership (``cut_short``:
+    instance -> times); returns the pairs."""
+    ticks = [t for t in cluster.ticks(destination) if t.claimed > 0]
+    pairs: list[tuple[ClaimGroup, Tick | None]] = []
+    for instance in {g.by for g in groups if g.destination == destination}:
+        mine = [g for g in groups if g.destination == destination and g.by == instance]
+        logged = [t for t in ticks if t.by == instance]
+        ends = sorted((cut_short or {}).get(instance, []))
+        for i, group in enumerate(mine):
+            following = mine[i + 1].at if i + 1 < len(mine) else None
+            tick = next(
+                (t for t in logged if t.at >= group.at and (following is None or t.at < following)),
+                None,
+            )
+            if tick is None:
+                end = next((e for e in ends if e >= group.at), None)
+                why = f"{group}: its tick never completed, yet its instance went on leading"
+                assert end is not None, why
+                assert following is None or following > end, why
+            else:
+                assert tick.claimed == group.n, (group, tick)
+                assert group.n <= tick.budget, (group, tick)
+            pairs.append((group, tick))
+    return pairs
+
+
+async def lock_holder_pid(dsn: str, name: str) -> int | None:
+    """The backend holding the leadership lock of ``name``."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        pid: int | None = await conn.fetchval(
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted"
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            " AND classid = $1 AND objid = (hashtext($2)::bigint & 4294967295)::oid"
+            " AND objsubid = 2",
+            LEADER_NAMESPACE,
+            name,
+        )
+        return pid
+    finally:
+        await conn.close()
+
+
+async def leaders(dsn: str) -> dict[str, tuple[str | None, dt.datetime | None]]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch("SELECT destination, leader, leader_since FROM pacerd.destinations")
+    finally:
+        await conn.close()
+    return {r["destination"]: (r["leader"], r["leader_since"]) for r in rows}
+
+
+async def schedule_backlog(dsn: str, destination: str, n: int) -> None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(
+            "SELECT pacerd.schedule(job_id => $1 || '-' || g, kind => 'ha', destination => $1,"
+            " payload => jsonb_build_object('n', g), eligible_at => now() - interval '1 minute')"
+            " FROM generate_series(1, $2) g",
+            destination,
+            n,
+        )
+    finally:
+        await conn.close()
+
+
+async def state_counts(dsn: str) -> dict[str, int]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch("SELECT state, count(*) AS n FROM pacerd.jobs GROUP BY state")
+    finally:
+        await conn.close()
+    return {r["state"]: r["n"] for r in rows}
+
+
+async def wait_completed(dsn: str, total: int, *, within: float) -> None:
+    with anyio.fail_after(within):
+        while (await state_counts(dsn)).get("completed", 0) < total:
+            await anyio.sleep(0.25)
+
+
+async def assert_completed_exactly_once(dsn: str, total: int) -> None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        states = await conn.fetch("SELECT state, count(*) AS n FROM pacerd.jobs GROUP BY state")
+        twice = await conn.fetchval(
+            "SELECT count(*) FROM (SELECT job_id FROM pacerd.job_events"
+            " WHERE event = 'completed' GROUP BY job_id HAVING count(*) > 1) s"
+        )
+    finally:
+        await conn.close()
+    assert {r["state"]: r["n"] for r in states} == {"completed": total}
+    assert twice == 0, "a job was completed twice"
+
+
+@dataclass
+class Upstreams:
+    """One model upstream per destination, called by the worker library; it
+    records when each offer (job_id, attempt) reached a worker."""
+
+    servers: dict[str, ModelUpstream] = field(default_factory=dict)
+    received: dict[tuple[str, int], dt.datetime] = field(default_factory=dict)
+    worker: Worker | None = None
+
+    def duplicates(self) -> int:
+        return sum(s.model.duplicates for s in self.servers.values())
+
+
+@contextlib.asynccontextmanager
+async def upstream_workers(
+    amqp_url: str, destinations: Iterable[str], *, capacity: float, prefetch: int = 32
+) -> AsyncIterator[Upstreams]:
+    ups = Upstreams()
+    names = list(destinations)
+    try:
+        for name in names:
+            server = ModelUpstream(UpstreamParams(schedule=CapacitySchedule.parse(f"0:{capacity}")))
+            await server.start()
+            ups.servers[name] = server
+        urls = {name: server.url for name, server in ups.servers.items()}
+        app = WorkerApp(destinations=names, prefetch=prefetch, check_current=False)
+
+        @app.handler()
+        async def call(job: Job) -> dict[str, Any]:
+            ups.received.setdefault((job.job_id, job.attempt), utcnow())
+            return await call_upstream(urls[job.destination], job)
+
+        ups.worker = Worker(app, broker_url=amqp_url)
+        async with anyio.create_task_group() as tg:
+            await tg.start(ups.worker.run)
+            try:
+                yield ups
+            finally:
+                ups.worker.request_stop()
+    finally:
+        for server in ups.servers.values():
+            await server.close()
+
+
+@contextlib.asynccontextmanager
+async def ok_workers(
+    amqp_url: str, destinations: Iterable[str], *, prefetch: int = 100
+) -> AsyncIterator[Upstreams]:
+    """A plain AMQP worker pool reporting `ok` for every offer (cheaper than
+    the worker library and the model upstream); records receipt times."""
+    import aio_pika
+
+    ups = Upstreams()
+    connection = await aio_pika.connect_robust(amqp_url)
+    try:
+        channel = await connection.channel(publisher_confirms=True)
+        await channel.set_qos(prefetch_count=prefetch)
+        outcomes = await channel.declare_exchange(
+            "pacerd.outcomes", aio_pika.ExchangeType.FANOUT, durable=True
+        )
+
+        async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            job = json.loads(message.body)
+            ups.received.setdefault((job["job_id"], job["attempt"]), utcnow())
+            report = {"job_id": job["job_id"], "attempt": job["attempt"], "outcome": "ok"}
+            await outcomes.publish(
+                aio_pika.Message(json.dumps(report).encode(), delivery_mode=2), routing_key=""
+            )
+            await message.ack()
+
+        for name in destinations:
+            queue = await channel.declare_queue(
+                f"pacerd.ready.{name}", durable=True, arguments={"x-queue-type": "quorum"}
+            )
+            await queue.consume(on_message)
+        yield ups
+    finally:
+        await connection.close()
+
+
+async def delete_queues(amqp_url: str, destinations: Iterable[str]) -> None:
+    import aio_pika
+
+    connection = await aio_pika.connect(amqp_url)
+    try:
+        for name in destinations:
+            channel = await connection.channel()
+            with contextlib.suppress(Exception):
+                await channel.queue_delete(f"pacerd.ready.{name}")
+    finally:
+        await connection.close()

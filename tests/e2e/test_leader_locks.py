@@ -1,0 +1,140 @@
+"""Leadership locks against the real PostgreSQL: the lock session's end is
+seen at once, a stalled session's lease lapses before the server would free
+its locks, a lock is never taken twice, and only this ledger's instances
+count toward the fair share."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit, urlunsplit
+
+import anyio
+import asyncpg
+import pytest
+from cutproxy import CutProxy
+
+from pacerd.clock import SystemClock
+from pacerd.ledger import LeaderLocks
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+pytestmark = [pytest.mark.services, pytest.mark.timeout(60)]
+
+
+@pytest.fixture
+async def locks(db_dsn: str) -> AsyncIterator[list[LeaderLocks]]:
+    made: list[LeaderLocks] = []
+    yield made
+    for lock in made:
+        await lock.close()
+
+
+async def _connected(
+    made: list[LeaderLocks], dsn: str, name: str, *, lease_seconds: float = 5.0
+) -> LeaderLocks:
+    lock = LeaderLocks(dsn, instance=name, lease_seconds=lease_seconds)
+    await lock.connect()
+    made.append(lock)
+    return lock
+
+
+async def _terminate(dsn: str, pid: int) -> None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        assert await conn.fetchval("SELECT pg_terminate_backend($1)", pid)
+    finally:
+        await conn.close()
+
+
+async def test_a_terminated_lock_session_drops_leadership_at_once(
+    db_dsn: str, locks: list[LeaderLocks]
+) -> None:
+    a = await _connected(locks, db_dsn, "a")
+    b = await _connected(locks, db_dsn, "b")
+    assert await a.try_acquire("d", settle_seconds=0.0)
+    assert not await b.try_acquire("d")
+    assert a.holds("d")
+    assert a.usable_at("d") is not None
+    changed = a.changed()
+    pid = a.backend_pid
+    assert pid is not None
+    clock = SystemClock()
+    start = clock.monotonic()
+    await _terminate(db_dsn, pid)
+    with anyio.fail_after(2):
+        await changed.wait()  # asyncpg's termination listener, no polling
+        await a.wait_lost("d")
+    assert clock.monotonic() - start < 1.0
+    assert not a.holds("d")
+    assert a.held == frozenset()
+    assert a.usable_at("d") is None
+    assert not await a.alive()
+    with anyio.fail_after(5):
+        while not await b.try_acquire("d", settle_seconds=0.5):
+            await anyio.sleep(0.01)
+    # A new leader waits its settle time before admitting.
+    usable_at = b.usable_at("d")
+    assert usable_at is not None
+    assert usable_at - clock.monotonic() > 0.3
+
+
+async def test_a_stalled_session_lapses_before_the_server_would_free_its_locks(
+    db_dsn: str, locks: list[LeaderLocks]
+) -> None:
+    parts = urlsplit(db_dsn)
+    proxy = CutProxy(parts.hostname or "127.0.0.1", parts.port or 5432)
+    await proxy.start()
+    try:
+        via = urlunsplit(parts._replace(netloc=f"{parts.username}@127.0.0.1:{proxy.port}"))
+        a = await _connected(locks, via, "a", lease_seconds=1.0)
+        b = await _connected(locks, db_dsn, "b")
+        assert await a.try_acquire("d")
+        # The session's keepalives end it server-side after 2 x lease of silence.
+        assert await a._query("SHOW tcp_keepalives_idle") == "1"
+        assert await a._query("SHOW tcp_keepalives_count") == "1"
+        assert await a._query("SHOW tcp_user_timeout") == "2000"
+        clock = SystemClock()
+        proxy.stall()
+        start = clock.monotonic()
+        with anyio.fail_after(3):
+            await a.wait_lost("d")  # renewing meanwhile: the probe times out
+        assert clock.monotonic() - start <= 1.0 + 0.3
+        assert not a.holds("d")
+        # The server still holds the lock (the proxy keeps the socket open)...
+        assert not await b.try_acquire("d")
+        # ...until the connection is reset, as keepalives would.
+        proxy.cut()  # the stall goes on: the lock can only have been freed by the server
+        with anyio.fail_after(5):
+            while not await b.try_acquire("d"):
+                await anyio.sleep(0.01)
+    finally:
+        await proxy.close()
+
+
+async def test_a_lock_is_never_taken_twice_and_a_handover_unlocks_it(
+    db_dsn: str, locks: list[LeaderLocks]
+) -> None:
+    a = await _connected(locks, db_dsn, "a")
+    b = await _connected(locks, db_dsn, "b")
+    assert await a.try_acquire("d")
+    assert await a.try_acquire("d")  # already ours: not locked a second time
+    a.begin_release("d")
+    assert a.releasing("d")
+    assert a.has_lock("d")
+    assert not a.holds("d")
+    assert not await a.try_acquire("d")  # being handed over
+    assert not await b.try_acquire("d")
+    await a.release("d")
+    assert not a.has_lock("d")
+    assert await b.try_acquire("d")  # one unlock freed it: it was locked once
+
+
+async def test_only_this_ledgers_instances_count(
+    db_dsn: str, empty_db_dsn: str, locks: list[LeaderLocks]
+) -> None:
+    a = await _connected(locks, db_dsn, "a")
+    await _connected(locks, db_dsn, "b")
+    other = await _connected(locks, empty_db_dsn, "elsewhere")
+    assert await a.count_instances() == 2
+    assert await other.count_instances() == 1
