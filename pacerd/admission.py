@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("pacerd.admission")
 
 MAX_SLICES_PER_TICK = 50  # sub-tick pacing granularity: at most 50 release points a tick
+CLOSED_CHECK_SECONDS = 0.25  # mid-tick look at the destination's pause and cool-down
 
 
 class AdmissionLedger(Protocol):
@@ -132,6 +133,7 @@ class _Publishing:
     marked: int = 0
     broker_down: bool = False
     stopped: bool = False
+    closed: bool = False
 
 
 def counters_window(
@@ -255,7 +257,7 @@ class DestinationAdmission:
                     instance=cfg.instance,
                 )
             if claimed:
-                outcome = await self._publish_spread(claimed, plan.spacing_seconds)
+                outcome = await self._publish_spread(claimed, plan)
         admitted = would_admit if cfg.shadow else len(claimed)
         self._demand = pacer.Demand(
             budget=plan.budget if skipped is None else 0,
@@ -305,17 +307,26 @@ class DestinationAdmission:
         return self.observer.mark_offered_span(destination, count=attributes["count"])
 
     async def _publish_spread(
-        self, claimed: Sequence[ClaimedJob], spacing_seconds: float
+        self, claimed: Sequence[ClaimedJob], plan: pacer.TickPlan
     ) -> _Publishing:
-        """Publishes the claimed jobs evenly across the tick, marks each slice's
-        confirmed jobs offered as it completes, and releases what failed."""
+        """Publishes the claimed jobs across the tick at the pacer's offsets
+        (live ones first), in at most ``MAX_SLICES_PER_TICK`` release points;
+        marks each slice's confirmed jobs offered as it completes; stops early
+        on shutdown or when the destination closes mid-tick (a Retry-After or a
+        pause reported meanwhile), and releases what it did not publish."""
         outcome = _Publishing()
         observer = self.observer
-        n = len(claimed)
-        slices = max(1, min(n, MAX_SLICES_PER_TICK))
-        per_slice = math.ceil(n / slices)
+        jobs = sorted(claimed, key=lambda job: not job.live)  # live first, order kept
+        offsets = pacer.publish_offsets(plan, sum(job.live for job in jobs), len(jobs))
+        grain = self.config.params.tick_seconds / MAX_SLICES_PER_TICK
+        slices: list[tuple[float, list[ClaimedJob]]] = []
+        for job, offset in zip(jobs, offsets, strict=True):
+            at = math.floor(offset / grain) * grain
+            if not slices or slices[-1][0] != at:
+                slices.append((at, []))
+            slices[-1][1].append(job)
         start = self.clock.monotonic()
-        slice_gap = spacing_seconds * per_slice
+        next_check = start + CLOSED_CHECK_SECONDS
 
         async def publish_one(job: ClaimedJob) -> None:
             if outcome.broker_down:
@@ -343,14 +354,20 @@ class DestinationAdmission:
 
         try:
             async with anyio.create_task_group() as tg:
-                for i in range(0, n, per_slice):
-                    if i:
-                        await self.clock.sleep_until(start + (i // per_slice) * slice_gap)
-                    if self.stop is not None and self.stop.is_set():
-                        outcome.failed.extend(job.ref for job in claimed[i:])
-                        outcome.stopped = True
+                for index, (at, group) in enumerate(slices):
+                    await self.clock.sleep_until(start + at)
+                    if self.clock.monotonic() >= next_check:
+                        next_check = self.clock.monotonic() + CLOSED_CHECK_SECONDS
+                        row = await self.ledger.read_destination(self.config.destination)
+                        if row is not None and (
+                            row.effectively_paused or row.cooldown_remaining_seconds > 0
+                        ):
+                            outcome.closed = True
+                    if outcome.closed or (self.stop is not None and self.stop.is_set()):
+                        outcome.stopped = not outcome.closed
+                        outcome.failed.extend(j.ref for _, rest in slices[index:] for j in rest)
                         break
-                    for job in claimed[i : i + per_slice]:
+                    for job in group:
                         tg.start_soon(publish_one, job)
                     await self._flush_confirmed(outcome)
         finally:
@@ -362,6 +379,8 @@ class DestinationAdmission:
                         if outcome.broker_down
                         else "shutdown"
                         if outcome.stopped
+                        else "destination_closed"
+                        if outcome.closed
                         else "publish_failed"
                     )
                     await self.ledger.release_claims(outcome.failed, reason=reason)

@@ -1,12 +1,73 @@
-"""The pacing law (AIMD per destination) and the tick arithmetic. Pure: no I/O,
-no asyncio, standard library only; time arrives as arguments.
+"""The pacing law (AIMD per destination) and the tick arithmetic.
 
-(Skeleton: the parameters are fixed here so that config.py can mirror them.)
+Pure: no I/O, no asyncio, standard library only. Time arrives as arguments
+(``Clock.monotonic()`` seconds); nothing here reads a clock or a random source.
+``admission.py`` calls :func:`plan_tick` once per destination per tick and runs
+the I/O; everything it decides — rate, budget, credit, lane split, publish
+offsets, next deadline — is computed here.
+
+The law, per destination:
+
+- **Episodes.** A tick's window (outcomes reported since the previous tick) is a
+  refusal episode when the *fresh* refusals — of jobs claimed at the current
+  epoch, i.e. after the last cut — reach ``max(refusal_min_count,
+  refusal_threshold * fresh outcomes)``. Refusals of jobs admitted before the
+  last cut never cut again: one cut per round trip. A Retry-After is always an
+  episode.
+- **Cut.** The capacity estimate is the accepted rate of what was sent,
+  ``sent * (1 - refused/outcomes)``; the rate is cut to ``estimate * (1 -
+  decrease_margin)`` and that estimate becomes the remembered *ceiling*. A heavy
+  episode (refusal ratio above ``HEAVY_RATIO``, or the end of slow start) means
+  the window mixes outcomes from before and after a capacity change, so its
+  estimate is only an upper bound: the rate drops to the floor and, while the
+  stale outcomes of that round trip arrive, is raised back to just under what
+  they measure (never compounding: it only moves up). No cut goes below
+  ``decrease_factor * rate``.
+- **Increase.** Only on a clean window of a tick that used its whole budget (an
+  idle or app-limited destination does not grow): ``+increase_step`` jobs/s per
+  round trip — the same absolute step on every instance, so instances sharing
+  an upstream converge to equal shares. The round trip is measured (from a cut
+  to its first fresh outcomes) and is at least one tick: like TCP's per-RTT
+  increase, this keeps the cost of a probe (refusals per overshoot) independent
+  of the tick length and of the upstream's latency. Before a destination's
+  first episode it grows ``slow_start_factor`` per round trip, never faster than
+  that factor times the accepted rate. A refusal below the episode threshold
+  while at or above the ceiling holds the rate.
+- **Stale ceiling.** A token-bucket upstream can absorb, unrefused, what the
+  destination left unused since the bucket was last seen empty (``saved``).
+  When the volume sent above the ceiling (``surplus``) exceeds that — plus one
+  round trip of slack and the estimate's error — the capacity has grown: the
+  increase then doubles every round trip until the next episode.
+- **Retry-After.** The destination is closed until it passes (the ledger holds
+  the deadline, ``cooldown_remaining_s``); the ceiling is remembered from the
+  delivered rate; on reopening the rate is ``ceiling_resume_fraction`` of it and
+  stays there for ``retry_after / decrease_margin`` seconds, so probing into a
+  penalty box costs at most that margin of the time.
+- **Budget.** ``floor(credit + rate * elapsed)`` (elapsed capped at two ticks:
+  missed ticks are skipped, not replayed), capped by ``max_inflight -
+  inflight``; the fraction carries over as credit. Publishes are spread over
+  the tick, live jobs first and at a pace under the ceiling, so a probe's
+  refusals land on backlog work.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+# Structural constants of the law (not tuning knobs; see the module docstring).
+HEAVY_RATIO = 0.15  # refusal ratio above which a window's estimate is only a bound
+HEAVY_MIN_FACTOR = 2  # ... and it needs this many times refusal_min_count refusals
+REFINE_Z = 1.0  # a heavy cut is refined to one standard error under the measure
+SOFT_FACTOR = 1.25  # an unconfirmed ceiling is taken as stale only this far above it
+STALE_HORIZON_S = 30.0  # horizon of the ceiling's error when testing it for staleness
+LIVE_PACE = 0.95  # live jobs are published at this fraction of the ceiling's pace
+DELIVERED_TICKS = 2.0  # time constant of the delivered-rate average, in ticks
+_MONOTONIC = ("last_tick", "deadline")  # never persisted
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -17,13 +78,435 @@ class PacingParams:
     initial_rate: float = 10.0
     min_rate: float = 1.0
     max_rate: float = 10_000.0
-    increase_step: float = 2.0
-    decrease_factor: float = 0.5
-    decrease_margin: float = 0.05
+    increase_step: float = 0.6  # jobs/s added per clean round trip (>= a tick)
+    decrease_factor: float = 0.25  # deepest cut of one round trip
+    decrease_margin: float = 0.015  # cut to this fraction under the measured rate
     refusal_threshold: float = 0.02
     max_inflight: int = 2000
-    live_share: float = 0.2
+    live_share: float = 0.4
     live_window_seconds: float = 60.0
-    slow_start_factor: float = 2.0
+    slow_start_factor: float = 1.5  # growth per round trip before the first episode
     refusal_min_count: int = 2
     ceiling_resume_fraction: float = 0.9
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OutcomeWindow:
+    """Outcomes reported for one destination since its previous tick.
+
+    ``*_fresh`` count the outcomes of jobs claimed at an epoch >= the state's
+    current epoch; ``retry_after_s`` is the largest Retry-After in the window;
+    ``interval_seconds`` is how long the window lasted (None: the tick's)."""
+
+    accepted: int = 0
+    refused: int = 0
+    accepted_fresh: int = 0
+    refused_fresh: int = 0
+    retry_after_s: float | None = None
+    interval_seconds: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Demand:
+    """What the previous tick did with its plan."""
+
+    budget: int = 0  # the plan's budget (0 when skipped)
+    admitted: int = 0  # jobs claimed for it
+    backlog_empty: bool = False  # due work ran out before the budget did
+    inflight_capped: bool = False  # max_inflight capped the budget
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TickPlan:
+    budget: int  # jobs to claim now (live lane first, see live_budget)
+    live_budget: int  # reserved for the live lane; unused reservation flows on
+    spacing_seconds: float  # even spacing of `budget` jobs over the tick
+    live_spacing_seconds: float  # spacing of the live jobs at the head of the tick
+    next_deadline: float  # monotonic time of the next tick
+    rate: float
+    cooldown: bool = False
+    paused: bool = False
+    inflight_capped: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LaneSplit:
+    live: int
+    backlog: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PacerState:
+    rate: float  # admissions per second
+    credit: float = 0.0  # fractional budget carried to the next tick, in [0, 1)
+    last_tick: float = 0.0  # monotonic seconds
+    deadline: float = 0.0  # monotonic seconds: the tick being run was due then
+    epoch: int = 0  # incremented at each cut
+    ceiling: float | None = None  # capacity remembered at the last episode
+    firm: bool = False  # the ceiling comes from a mild episode's precise estimate
+    episode: bool = False  # a cut awaits its first fresh outcomes
+    heavy: bool = False  # ... and it was heavy (being refined)
+    cut_from: float = 0.0  # rate at which the now stale jobs were sent
+    cut_bound: float = 0.0  # upper bound of capacity from the heavy window
+    stale_accepted: int = 0
+    stale_outcomes: int = 0
+    saved: float = 0.0  # jobs left unsent under the ceiling since the last cut
+    surplus: float = 0.0  # jobs sent above the ceiling since the last cut
+    ladder: float = 0.0  # doubling increase while the ceiling is stale
+    since_cut_s: float = 0.0
+    round_trip_s: float = 0.0  # measured: from a cut to its first fresh outcomes
+    hold_s: float = 0.0  # no growth for this long (after a Retry-After)
+    cooling: bool = False  # closed by a Retry-After
+    delivered: float = 0.0  # average accepted rate
+
+    def to_dict(self) -> dict[str, float | int | bool | None]:
+        """JSON-able, without the monotonic timestamps (not portable across hosts)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _MONOTONIC}
+
+    @classmethod
+    def from_dict(
+        cls, d: Mapping[str, object], *, now: float, params: PacingParams | None = None
+    ) -> PacerState:
+        """Resume from :meth:`to_dict` at ``now`` (the new leader's clock): the
+        next tick runs at once and may admit one tick's worth. A resumed
+        ceiling is not firm: the upstream may have stored capacity meanwhile.
+        Missing keys take their defaults; a malformed value raises
+        ``TypeError`` or ``ValueError``."""
+        values: dict[str, float | int | bool | None] = {}
+        for f in fields(cls):
+            if f.name in _MONOTONIC or f.name == "firm" or f.name not in d:
+                continue
+            v, default = d[f.name], f.default
+            if isinstance(default, bool):
+                if not isinstance(v, bool):
+                    raise TypeError(f"pacer state {f.name!r}: expected a boolean, got {v!r}")
+                values[f.name] = v
+            elif v is None and f.name == "ceiling":
+                values[f.name] = None
+            elif isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+                raise TypeError(f"pacer state {f.name!r}: expected a number, got {v!r}")
+            elif v < 0 or (f.name == "rate" and v == 0):
+                raise ValueError(f"pacer state {f.name!r}: out of range: {v!r}")
+            else:
+                values[f.name] = int(v) if isinstance(default, int) else float(v)
+        rate = values.pop("rate", None)
+        if rate is None:
+            raise ValueError("pacer state: 'rate' is missing")
+        state = cls(rate=float(rate), last_tick=now, deadline=now)
+        state = replace(state, **values)  # type: ignore[arg-type]
+        if params is not None:
+            tick = params.tick_seconds
+            state = replace(state, rate=_clamp(state.rate, params), last_tick=now - tick)
+        return replace(state, credit=min(state.credit, 0.999_999))
+
+
+def initial_state(params: PacingParams, now: float) -> PacerState:
+    """A destination never paced before: slow start from ``initial_rate``; the
+    first tick runs at ``now`` and may admit one tick's worth."""
+    return PacerState(
+        rate=_clamp(params.initial_rate, params),
+        last_tick=now - params.tick_seconds,
+        deadline=now,
+    )
+
+
+def next_deadline(deadline: float, now: float, tick_seconds: float) -> float:
+    """The first point of the schedule ``deadline + k * tick_seconds`` (k >= 1)
+    after ``now``: missed ticks are skipped, not replayed."""
+    k = max(1, math.floor((now - deadline) / tick_seconds) + 1)
+    return deadline + k * tick_seconds
+
+
+def split_lanes(budget: int, live_due: int, backlog_due: int, params: PacingParams) -> LaneSplit:
+    """Work-conserving lane split: the live lane has ``live_share`` of the
+    budget reserved; what one lane cannot use flows to the other. Due counts
+    need only be exact up to ``budget``."""
+    budget, live_due, backlog_due = max(0, budget), max(0, live_due), max(0, backlog_due)
+    reserve = min(budget, math.ceil(params.live_share * budget))
+    live = min(live_due, max(reserve, budget - backlog_due))
+    return LaneSplit(live=live, backlog=min(backlog_due, budget - live))
+
+
+def publish_offsets(plan: TickPlan, n_live: int, n: int) -> list[float]:
+    """Seconds after the tick's start at which to publish ``n`` claimed jobs,
+    the ``n_live`` live ones first: these at ``live_spacing_seconds`` (a pace
+    under the ceiling, so probes do not refuse them), the rest evenly over what
+    remains of the tick."""
+    if n <= 0:
+        return []
+    span = plan.spacing_seconds * max(plan.budget, 1)
+    even = span / n
+    live_sp = max(even, plan.live_spacing_seconds)
+    if n_live <= 0 or n_live >= n or n_live * live_sp >= span:
+        return [i * even for i in range(n)]
+    head = n_live * live_sp
+    rest = (span - head) / (n - n_live)
+    # the first live job waits one live spacing too: a token has come in meanwhile
+    return [(i + 1) * live_sp for i in range(n_live)] + [
+        head + (i + 1) * rest for i in range(n - n_live)
+    ]
+
+
+def _clamp(rate: float, p: PacingParams) -> float:
+    return min(p.max_rate, max(p.min_rate, rate))
+
+
+def _elapsed(state: PacerState, now: float, p: PacingParams) -> float:
+    return min(max(0.0, now - state.last_tick), 2.0 * p.tick_seconds)
+
+
+def _has_demand(demand: Demand | None) -> bool:
+    return (
+        demand is not None
+        and demand.budget > 0
+        and demand.admitted >= demand.budget
+        and not demand.backlog_empty
+        and not demand.inflight_capped
+    )
+
+
+def update_rate(
+    state: PacerState,
+    window: OutcomeWindow,
+    demand: Demand | None,
+    *,
+    now: float,
+    params: PacingParams,
+    cooldown_remaining_s: float = 0.0,
+    paused: bool = False,
+) -> PacerState:
+    """The law's step: the state after this tick's window (budget untouched)."""
+    p, m = params, params.decrease_margin
+    dt = _elapsed(state, now, p)
+    interval = window.interval_seconds or dt
+    accepted_rate = window.accepted / interval if interval > 1e-9 else 0.0
+    delivered_before = state.delivered
+    if interval > 1e-9 and not state.cooling:  # a closed destination delivers nothing
+        w = 1.0 - math.exp(-interval / (DELIVERED_TICKS * p.tick_seconds))
+        state = replace(state, delivered=state.delivered + w * (accepted_rate - state.delivered))
+    state = replace(
+        state,
+        since_cut_s=state.since_cut_s + dt,
+        hold_s=state.hold_s if state.cooling else max(0.0, state.hold_s - dt),
+    )
+
+    if window.retry_after_s is not None and window.refused_fresh > 0 and not state.cooling:
+        est = max(delivered_before, accepted_rate) or state.rate
+        if state.ceiling is not None and est > state.ceiling:
+            est = max(state.ceiling, est * (1.0 - m))
+        state = replace(
+            state,
+            cooling=True,
+            ceiling=max(p.min_rate, est),
+            firm=False,
+            epoch=state.epoch + 1,
+            episode=False,
+            saved=0.0,
+            surplus=0.0,
+            ladder=0.0,
+            since_cut_s=0.0,
+            hold_s=max(0.0, window.retry_after_s) / max(m, 0.01),
+        )
+    if cooldown_remaining_s > 0:
+        return state if state.cooling else replace(state, cooling=True)
+    if state.cooling:  # reopened: resume just under the remembered ceiling
+        base = min(state.rate, state.ceiling or state.rate)
+        return replace(
+            state, cooling=False, rate=_clamp(base * p.ceiling_resume_fraction, p), credit=0.0
+        )
+
+    sent = state.rate
+    if demand is not None and (demand.backlog_empty or demand.inflight_capped) and dt > 0:
+        sent = min(sent, demand.admitted / dt)
+    if state.ceiling is not None and dt > 0:  # what the upstream could have stored
+        actual = demand.admitted / dt if demand is not None else 0.0
+        span = dt if demand is not None else max(dt, interval)
+        gap = state.ceiling * span - actual * dt
+        state = replace(
+            state, saved=state.saved + max(0.0, gap), surplus=state.surplus + max(0.0, -gap)
+        )
+
+    f_ref = window.refused_fresh
+    f_n = window.accepted_fresh + window.refused_fresh
+    episode = f_ref > 0 and f_ref >= max(p.refusal_min_count, p.refusal_threshold * f_n)
+    if state.episode:
+        state = _refine(state, window, p)
+        if episode:
+            return _cut(state, f_ref, f_n, sent, p)
+        if f_n == 0:
+            return state
+        rtt, seen = state.round_trip_s, state.since_cut_s
+        return replace(state, episode=False, round_trip_s=0.7 * rtt + 0.3 * seen if rtt else seen)
+    if episode and state.ceiling is None and not _heavy(f_ref, f_n, p):
+        # slow start ends on evidence: a couple of refusals in a small sample
+        # may be someone else's probe
+        episode = f_n * p.refusal_threshold >= p.refusal_min_count
+    if episode:
+        state = _cut(state, f_ref, f_n, sent, p)
+        if demand is None:  # a leader's first tick: the bucket may have refilled
+            state = replace(state, saved=(state.ceiling or 0.0) * interval)
+        return state
+    if paused or not _has_demand(demand):
+        return state
+    if f_ref > 0 and state.ceiling is not None and state.rate >= state.ceiling:
+        return state  # refusals under the threshold: hold, do not grow into them
+    return _grow(state, dt, accepted_rate, p)
+
+
+def _heavy(refused: int, outcomes: int, p: PacingParams) -> bool:
+    return refused >= HEAVY_MIN_FACTOR * p.refusal_min_count and refused > HEAVY_RATIO * outcomes
+
+
+def _cut(
+    state: PacerState, refused: int, outcomes: int, sent: float, p: PacingParams
+) -> PacerState:
+    est = max(p.min_rate, sent * (1.0 - refused / outcomes))
+    heavy = _heavy(refused, outcomes, p) or (
+        state.ceiling is None and refused >= HEAVY_MIN_FACTOR * p.refusal_min_count
+    )
+    target = p.decrease_factor * state.rate if heavy else est * (1.0 - p.decrease_margin)
+    rate = min(state.rate, max(target, p.decrease_factor * state.rate))
+    return replace(
+        state,
+        rate=_clamp(rate, p),
+        ceiling=est,
+        firm=not heavy,
+        epoch=state.epoch + 1,
+        episode=True,
+        heavy=heavy,
+        cut_from=sent,
+        cut_bound=est,
+        stale_accepted=0,
+        stale_outcomes=0,
+        saved=0.0,
+        surplus=0.0,
+        ladder=0.0,
+        since_cut_s=0.0,
+    )
+
+
+def _refine(state: PacerState, window: OutcomeWindow, p: PacingParams) -> PacerState:
+    """After a heavy cut, stale outcomes of the same round trip measure the
+    capacity: raise the rate to just under it (never lower it)."""
+    if not state.heavy:
+        return state
+    accepted = state.stale_accepted + window.accepted - window.accepted_fresh
+    outcomes = accepted + state.stale_outcomes - state.stale_accepted
+    outcomes += window.refused - window.refused_fresh
+    if outcomes <= 0:
+        return state
+    share = (accepted + 0.5) / (outcomes + 1.0)  # never 0 or 1 on a small sample
+    low = max(0.0, share - REFINE_Z * math.sqrt(share * (1.0 - share) / outcomes))
+    est = max(p.min_rate, min(state.cut_bound, state.cut_from * share))
+    floor_rate = min(est, state.cut_from * low) * (1.0 - p.decrease_margin)
+    return replace(
+        state,
+        stale_accepted=accepted,
+        stale_outcomes=outcomes,
+        ceiling=est,
+        rate=max(state.rate, _clamp(floor_rate, p)),
+    )
+
+
+def _grow(state: PacerState, dt: float, accepted_rate: float, p: PacingParams) -> PacerState:
+    tick, rate = p.tick_seconds, state.rate
+    rtt = max(tick, state.round_trip_s)  # growth is per round trip, at least a tick
+    if state.ceiling is None:  # slow start, paced by what the upstream accepts
+        grown = rate * p.slow_start_factor ** (dt / rtt)
+        grown = min(grown, max(rate, p.slow_start_factor * accepted_rate))
+        return replace(state, rate=_clamp(grown, p))
+    c, m = state.ceiling, p.decrease_margin
+    low = c * (1.0 - m)
+    step = p.increase_step * dt / rtt
+    slack = 0.5 * m * c * min(state.since_cut_s, STALE_HORIZON_S)
+    slack += max(0.0, rate - c) * (rtt + 1.0)  # outcomes still on their way
+    ladder = state.ladder
+    if state.hold_s > 0:
+        pass  # after a Retry-After: stay just under the remembered ceiling
+    elif ladder > 0:
+        ladder *= 2.0 ** (dt / rtt)
+        rate += ladder * dt / rtt
+    elif state.surplus > state.saved + slack and rate > c * (1.0 if state.firm else SOFT_FACTOR):
+        ladder = step  # the ceiling is stale: the upstream has grown
+        rate += ladder
+    elif rate < low and not state.firm:
+        rate = min(low, rate + 2.0 * step)
+    elif rate < low:
+        rate = min(low, rate + max(step, (low - rate) * min(1.0, dt / (2.0 * rtt))))
+    elif rate < c:
+        rate = min(c, rate + step)
+    else:
+        rate += step
+    return replace(state, rate=_clamp(rate, p), ladder=ladder)
+
+
+def tick_budget(
+    state: PacerState,
+    *,
+    now: float,
+    inflight: int,
+    params: PacingParams,
+    cooldown_remaining_s: float = 0.0,
+    paused: bool = False,
+) -> tuple[PacerState, TickPlan]:
+    """The tick arithmetic: budget, credit, spacing and the next deadline."""
+    p = params
+    elapsed = _elapsed(state, now, p)
+    deadline = next_deadline(state.deadline, now, p.tick_seconds)
+    span = max(deadline - now, 1e-9)
+    room = max(0, p.max_inflight - inflight)
+    cooldown = cooldown_remaining_s > 0
+    budget, credit, capped = 0, 0.0, False
+    if not (cooldown or paused):
+        raw = state.credit + state.rate * elapsed
+        whole = math.floor(raw)
+        credit, capped = raw - whole, whole > room
+        budget = min(whole, room)
+    live_pace = min(state.rate, state.ceiling or state.rate) * LIVE_PACE
+    plan = TickPlan(
+        budget=budget,
+        live_budget=min(budget, math.ceil(p.live_share * budget)),
+        spacing_seconds=span / budget if budget > 0 else span,
+        live_spacing_seconds=1.0 / live_pace if live_pace > 0 else span,
+        next_deadline=deadline,
+        rate=state.rate,
+        cooldown=cooldown,
+        paused=paused,
+        inflight_capped=capped,
+    )
+    return replace(state, credit=credit, last_tick=now, deadline=deadline), plan
+
+
+def plan_tick(
+    state: PacerState,
+    window: OutcomeWindow,
+    demand: Demand | None,
+    *,
+    now: float,
+    inflight: int,
+    params: PacingParams,
+    cooldown_remaining_s: float = 0.0,
+    paused: bool = False,
+) -> tuple[PacerState, TickPlan]:
+    """One tick of one destination: the law's step, then the tick arithmetic.
+
+    ``demand`` is what the previous tick did (None on a leader's first tick);
+    ``cooldown_remaining_s`` the Retry-After closure left (from the ledger);
+    ``paused``: admit nothing and do not grow (outcomes still count)."""
+    state = update_rate(
+        state,
+        window,
+        demand,
+        now=now,
+        params=params,
+        cooldown_remaining_s=cooldown_remaining_s,
+        paused=paused,
+    )
+    return tick_budget(
+        state,
+        now=now,
+        inflight=inflight,
+        params=params,
+        cooldown_remaining_s=cooldown_remaining_s,
+        paused=paused,
+    )

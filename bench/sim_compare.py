@@ -1,0 +1,106 @@
+"""pacerd's pacing law against a plain halving AIMD, in the deterministic simulation.
+
+    .venv/bin/python -m bench.sim_compare                 # all scenarios, 10 seeds
+    .venv/bin/python -m bench.sim_compare --seeds 3 S1 S2 # a subset
+
+Runs every scenario of ``tests/sim/scenarios.py`` (issue 3's S1..S7, the model
+upstream and worker pool of ``tests/sim/simlib.py``) for pacerd's law and for
+the baseline "halve on refusal, +1 job/s on a clean tick" (same budget
+arithmetic, sub-tick spacing, lanes and Retry-After closure: only the law
+differs), and prints one markdown table: per scenario and metric, the worst
+value over the seeds for each law, and the target it is held to. Each
+scenario of each law runs once per seed; the metrics are defined in the
+docstring of ``tests/sim/scenarios.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+SIM_DIR = Path(__file__).resolve().parent.parent / "tests" / "sim"
+LAWS = ("pacerd", "halving")
+
+
+def _metrics(job: tuple[str, str, int]) -> tuple[str, str, int, dict[str, float]]:
+    if str(SIM_DIR) not in sys.path:
+        sys.path.insert(0, str(SIM_DIR))
+    import scenarios
+    import simlib
+
+    name, law, seed = job
+    return (
+        name,
+        law,
+        seed,
+        scenarios.METRICS[name](simlib.run(scenarios.SCENARIOS[name], law, seed)),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("scenarios", nargs="*", help="scenario names (default: all)")
+    parser.add_argument("--seeds", type=int, default=10)
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(SIM_DIR))
+    import scenarios
+
+    names = args.scenarios or list(scenarios.SCENARIOS)
+    jobs = [(n, law, s) for n in names for law in LAWS for s in range(args.seeds)]
+    started = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=args.workers) as pool:
+        results = list(pool.map(_metrics, jobs))
+    elapsed = time.perf_counter() - started
+
+    by: dict[tuple[str, str], list[dict[str, float]]] = {}
+    for name, law, _, m in results:
+        by.setdefault((name, law), []).append(m)
+    print(f"Worst of {args.seeds} seeds per metric (pacerd vs halving AIMD baseline).\n")
+    print("| scenario | metric | target | pacerd | halving |")
+    print("|---|---|---|---|---|")
+    misses = 0
+    for name in names:
+        targets = {t.metric: t for t in scenarios.TARGETS[name]}
+        extra = {
+            (t.metric, t.op): t
+            for t in scenarios.TARGETS[name]
+            if targets[t.metric] is not t  # a second bound on the same metric
+        }
+        for metric in by[(name, "pacerd")][0]:
+            bounds = [t for t in (targets.get(metric),) if t] + [
+                t for (m, _), t in extra.items() if m == metric
+            ]
+            cells = []
+            for law in LAWS:
+                values = [m[metric] for m in by[(name, law)]]
+                if bounds:
+                    shown = [b.worst(values) for b in bounds]
+                    ok = all(b.ok(v) for b, v in zip(bounds, shown, strict=True))
+                    text = " / ".join(_fmt(v) for v in dict.fromkeys(shown))
+                    cells.append(f"{text} {'ok' if ok else 'MISS'}")
+                    misses += law == "pacerd" and not ok
+                else:  # reported, not a target: the worst is the low end for rates
+                    low = metric.startswith("util") or metric == "jain_min"
+                    cells.append(_fmt(min(values) if low else max(values)))
+            target = " and ".join(f"{b.op} {b.value:g}" for b in bounds) or "(reported)"
+            print(f"| {name} | {metric} | {target} | {cells[0]} | {cells[1]} |")
+    print(
+        f"\n{len(jobs)} runs in {elapsed:.0f} s on {args.workers} worker(s); "
+        f"pacerd misses {misses} target(s)."
+    )
+    return 0
+
+
+def _fmt(v: float) -> str:
+    if v != v or v in (float("inf"), float("-inf")):
+        return str(v)
+    return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

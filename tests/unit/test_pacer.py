@@ -1,0 +1,487 @@
+"""The pacing law and the tick arithmetic (pure: no clock, no I/O)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pacerd import pacer
+from pacerd.pacer import (
+    Demand,
+    OutcomeWindow,
+    PacerState,
+    PacingParams,
+    TickPlan,
+    initial_state,
+    next_deadline,
+    plan_tick,
+    publish_offsets,
+    split_lanes,
+)
+
+P = PacingParams()
+T0 = 1000.0
+EMPTY = OutcomeWindow()
+
+
+def full(budget: int) -> Demand:
+    """A previous tick that used its whole budget."""
+    return Demand(budget=budget, admitted=budget)
+
+
+def run(
+    state: PacerState,
+    window: OutcomeWindow = EMPTY,
+    demand: Demand | None = None,
+    *,
+    dt: float = 1.0,
+    inflight: int = 0,
+    params: PacingParams = P,
+    cooldown: float = 0.0,
+    paused: bool = False,
+) -> tuple[PacerState, TickPlan]:
+    return plan_tick(
+        state,
+        window,
+        demand,
+        now=state.last_tick + dt,
+        inflight=inflight,
+        params=params,
+        cooldown_remaining_s=cooldown,
+        paused=paused,
+    )
+
+
+def at_ceiling(rate: float = 100.0, ceiling: float = 100.0) -> PacerState:
+    """A destination in congestion avoidance, its ceiling measured precisely."""
+    return replace(
+        initial_state(P, now=T0), rate=rate, ceiling=ceiling, firm=True, saved=1e9, epoch=7
+    )
+
+
+# --- tick arithmetic ------------------------------------------------------------
+
+
+def test_first_tick_admits_one_tick_of_the_initial_rate() -> None:
+    state, plan = plan_tick(initial_state(P, now=T0), EMPTY, None, now=T0, inflight=0, params=P)
+    assert plan.budget == 10
+    assert plan.next_deadline == T0 + 1.0
+    assert plan.spacing_seconds == pytest.approx(0.1)
+    assert state.last_tick == T0
+
+
+def test_fractional_budget_is_carried_as_credit() -> None:
+    state = replace(initial_state(P, now=T0), rate=2.5, ceiling=1e6, saved=1e9)
+    budgets = []
+    for _ in range(4):
+        state, plan = run(state, demand=Demand(budget=0), paused=False)
+        budgets.append(plan.budget)
+        assert 0.0 <= state.credit < 1.0
+    assert budgets == [2, 3, 2, 3]
+
+
+def test_budget_is_capped_by_the_inflight_room_and_never_negative() -> None:
+    state = at_ceiling()
+    _, plan = run(state, inflight=P.max_inflight - 3)
+    assert (plan.budget, plan.inflight_capped) == (3, True)
+    _, plan = run(state, inflight=P.max_inflight + 50)
+    assert plan.budget == 0
+
+
+def test_missed_ticks_are_skipped_not_replayed() -> None:
+    state = at_ceiling(rate=100.0)
+    state, plan = run(state, dt=10.0)
+    assert plan.budget <= 2 * 100
+    assert plan.next_deadline > state.last_tick
+
+
+def test_deadlines_follow_the_schedule() -> None:
+    assert next_deadline(10.0, 10.3, 1.0) == 11.0
+    assert next_deadline(10.0, 12.5, 1.0) == 13.0  # 11 and 12 were missed: skipped
+    assert next_deadline(10.0, 9.9, 1.0) == 11.0  # called early: still on schedule
+
+
+@pytest.mark.parametrize(
+    ("budget", "live_due", "backlog_due", "expected"),
+    [
+        (10, 100, 100, (4, 6)),  # live_share 0.4 reserved
+        (10, 1, 100, (1, 9)),  # unused reservation flows to the backlog
+        (10, 100, 3, (7, 3)),  # and the backlog's to the live lane
+        (10, 2, 3, (2, 3)),  # less due than budget
+        (0, 5, 5, (0, 0)),
+    ],
+)
+def test_lane_split_is_work_conserving(
+    budget: int, live_due: int, backlog_due: int, expected: tuple[int, int]
+) -> None:
+    split = split_lanes(budget, live_due, backlog_due, P)
+    assert (split.live, split.backlog) == expected
+
+
+def test_publish_offsets_spread_the_tick_live_first_under_the_ceiling() -> None:
+    _, plan = run(at_ceiling(rate=100.0, ceiling=100.0))
+    offsets = publish_offsets(plan, 10, plan.budget)
+    assert len(offsets) == plan.budget
+    assert offsets == sorted(offsets)
+    assert offsets[-1] <= plan.spacing_seconds * plan.budget + 1e-9
+    live_gaps = {round(b - a, 9) for a, b in itertools.pairwise(offsets[:10])}
+    assert live_gaps == {round(plan.live_spacing_seconds, 9)}
+    assert plan.live_spacing_seconds > 1.0 / 100.0  # a pace under the ceiling
+    assert publish_offsets(plan, 0, 4) == [
+        i * plan.spacing_seconds * plan.budget / 4 for i in range(4)
+    ]
+
+
+# --- growth -------------------------------------------------------------------
+
+
+def test_slow_start_grows_by_its_factor_per_tick_while_accepted() -> None:
+    state = replace(initial_state(P, now=T0), rate=20.0)
+    state, _ = run(state, OutcomeWindow(accepted=20, accepted_fresh=20), full(20))
+    assert state.rate == pytest.approx(30.0)
+
+
+def test_slow_start_is_paced_by_the_accepted_rate() -> None:
+    state = replace(initial_state(P, now=T0), rate=20.0)
+    state, _ = run(state, OutcomeWindow(accepted=5, accepted_fresh=5), full(20))
+    assert state.rate == pytest.approx(20.0)  # 1.5 x 5/s accepted is below the rate
+
+
+def test_a_clean_tick_with_demand_adds_the_increase_step() -> None:
+    state, _ = run(at_ceiling(rate=50.0, ceiling=100.0), EMPTY, full(50))
+    assert state.rate > 50.0  # far under the ceiling: recovers faster than a step
+    state, _ = run(at_ceiling(rate=99.9, ceiling=100.0), EMPTY, full(100))
+    assert state.rate == pytest.approx(100.0)
+    state, _ = run(at_ceiling(rate=100.0, ceiling=100.0), EMPTY, full(100))
+    assert state.rate == pytest.approx(100.0 + P.increase_step)
+
+
+@pytest.mark.parametrize(
+    "demand",
+    [
+        None,
+        Demand(budget=100, admitted=40, backlog_empty=True),
+        Demand(budget=100, admitted=100, inflight_capped=True),
+        Demand(budget=0, admitted=0),
+    ],
+)
+def test_an_idle_or_app_limited_destination_does_not_grow(demand: Demand | None) -> None:
+    state, _ = run(at_ceiling(rate=100.0), OutcomeWindow(accepted=40, accepted_fresh=40), demand)
+    assert state.rate == 100.0
+
+
+def test_paused_admits_nothing_and_does_not_grow() -> None:
+    state, plan = run(at_ceiling(), EMPTY, full(100), paused=True)
+    assert (plan.budget, plan.paused, state.rate, state.credit) == (0, True, 100.0, 0.0)
+
+
+def test_a_stale_ceiling_is_climbed_with_doubling_steps() -> None:
+    state = replace(at_ceiling(rate=30.0, ceiling=30.0), saved=0.0)
+    steps, budget = [], 30
+    for _ in range(12):
+        before = state.rate
+        state, plan = run(state, OutcomeWindow(accepted=30, accepted_fresh=30), full(budget))
+        steps.append(state.rate - before)
+        budget = plan.budget
+    assert steps[0] == pytest.approx(P.increase_step)
+    assert steps[-1] >= 8 * P.increase_step  # the upstream has grown: find it fast
+
+
+# --- cuts ---------------------------------------------------------------------
+
+
+def test_an_episode_cuts_to_just_under_the_accepted_rate() -> None:
+    window = OutcomeWindow(accepted=95, refused=5, accepted_fresh=95, refused_fresh=5)
+    state, _ = run(at_ceiling(rate=100.0, ceiling=102.0), window, full(100))
+    assert state.rate == pytest.approx(95.0 * (1 - P.decrease_margin))
+    assert state.ceiling == pytest.approx(95.0)
+    assert state.epoch == 8
+
+
+def test_refusals_under_the_count_floor_do_not_cut_but_hold() -> None:
+    window = OutcomeWindow(accepted=99, refused=1, accepted_fresh=99, refused_fresh=1)
+    state, _ = run(at_ceiling(rate=101.0, ceiling=100.0), window, full(101))
+    assert (state.rate, state.epoch) == (101.0, 7)
+
+
+def test_one_cut_per_round_trip() -> None:
+    episode = OutcomeWindow(accepted=90, refused=10, accepted_fresh=90, refused_fresh=10)
+    state, _ = run(at_ceiling(rate=100.0), episode, full(100))
+    cut = state.rate
+    # outcomes of jobs admitted before the cut: refused, but stale
+    stale = OutcomeWindow(accepted=80, refused=20)
+    state, _ = run(state, stale, full(88))
+    assert (state.rate, state.epoch) == (cut, 8)
+    # jobs admitted after the cut are refused too: that is a new round trip
+    fresh = OutcomeWindow(accepted=80, refused=10, accepted_fresh=80, refused_fresh=10)
+    state, _ = run(state, fresh, full(88))
+    assert state.rate < cut
+    assert state.epoch == 9
+
+
+def test_no_cut_goes_below_the_decrease_factor() -> None:
+    window = OutcomeWindow(accepted=1, refused=99, accepted_fresh=1, refused_fresh=99)
+    state, _ = run(at_ceiling(rate=100.0), window, full(100))
+    assert state.rate == pytest.approx(P.decrease_factor * 100.0)
+
+
+def test_a_heavy_episode_is_refined_up_by_the_stale_outcomes_of_its_round_trip() -> None:
+    # capacity fell from 100/s to 30/s within the window: its estimate (66/s) is
+    # only a bound, so the rate drops to the floor ...
+    window = OutcomeWindow(accepted=66, refused=34, accepted_fresh=66, refused_fresh=34)
+    state, _ = run(at_ceiling(rate=100.0), window, full(100))
+    assert state.rate == pytest.approx(25.0)
+    # ... and the outcomes of jobs sent at 100/s before the cut measure 30/s
+    stale = OutcomeWindow(accepted=30 + 15, refused=70, accepted_fresh=15)
+    state, _ = run(state, stale, full(25))
+    assert 25.0 < state.rate < 30.0
+    assert state.ceiling == pytest.approx(100.0 * 30.5 / 101.0)
+
+
+def test_retry_after_closes_then_resumes_just_under_the_ceiling_and_holds() -> None:
+    state = replace(at_ceiling(rate=100.0), delivered=80.0)
+    window = OutcomeWindow(accepted=60, refused=20, refused_fresh=20, retry_after_s=10.0)
+    state, plan = run(state, window, full(100), cooldown=10.0)
+    assert (plan.budget, plan.cooldown, state.rate) == (0, True, 100.0)
+    assert state.ceiling == pytest.approx(80.0)
+    state, plan = run(state, EMPTY, Demand(budget=0), cooldown=5.0)
+    assert (plan.budget, state.rate) == (0, 100.0)
+    state, plan = run(state, EMPTY, Demand(budget=0))
+    assert state.rate == pytest.approx(80.0 * P.ceiling_resume_fraction)
+    assert plan.budget > 0
+    for _ in range(20):  # probing into a penalty box is rationed
+        state, plan = run(state, OutcomeWindow(accepted=72, accepted_fresh=72), full(plan.budget))
+    assert state.rate == pytest.approx(80.0 * P.ceiling_resume_fraction)
+
+
+# --- persistence --------------------------------------------------------------
+
+
+def test_state_round_trips_through_json_without_monotonic_times() -> None:
+    window = OutcomeWindow(accepted=95, refused=5, accepted_fresh=95, refused_fresh=5)
+    state, _ = run(at_ceiling(rate=100.0), window, full(100))
+    d = json.loads(json.dumps(state.to_dict()))
+    assert "last_tick" not in d
+    assert "deadline" not in d
+    back = PacerState.from_dict(d, now=5.0, params=P)
+    assert replace(back, firm=state.firm, last_tick=state.last_tick, deadline=state.deadline) == (
+        state
+    )
+    assert (back.last_tick, back.deadline, back.firm) == (5.0 - P.tick_seconds, 5.0, False)
+
+
+def test_a_new_leader_resumes_at_the_persisted_rate() -> None:
+    state = at_ceiling(rate=42.0, ceiling=45.0)
+    resumed = PacerState.from_dict(state.to_dict(), now=77_000.0, params=P)
+    _, plan = plan_tick(resumed, EMPTY, None, now=77_000.0, inflight=0, params=P)
+    assert plan.budget == 42
+
+
+@pytest.mark.parametrize(
+    ("d", "error"),
+    [
+        ({}, ValueError),
+        ({"rate": "fast"}, TypeError),
+        ({"rate": -1.0}, ValueError),
+        ({"rate": 5.0, "cooling": "yes"}, TypeError),
+        ({"rate": 5.0, "ceiling": math.inf}, TypeError),
+        ({"rate": True}, TypeError),
+    ],
+)
+def test_a_malformed_state_is_rejected(d: dict[str, object], error: type[Exception]) -> None:
+    with pytest.raises(error):
+        PacerState.from_dict(d, now=0.0)
+
+
+def test_importing_the_pacer_loads_no_async_or_driver_module() -> None:
+    code = (
+        "import sys, pacerd.pacer\n"
+        "bad = {'asyncio', 'anyio', 'asyncpg', 'aio_pika'} & set(sys.modules)\n"
+        "print(','.join(sorted(bad)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.strip() == ""
+
+
+# --- properties ---------------------------------------------------------------
+
+PARAMS = st.builds(
+    PacingParams,
+    tick_seconds=st.sampled_from([0.25, 1.0, 5.0]),
+    initial_rate=st.floats(1.0, 200.0),
+    min_rate=st.just(1.0),
+    max_rate=st.floats(200.0, 5000.0),
+    increase_step=st.floats(0.1, 5.0),
+    decrease_factor=st.floats(0.1, 0.9),
+    decrease_margin=st.floats(0.0, 0.2),
+    refusal_threshold=st.floats(0.0, 0.2),
+    max_inflight=st.integers(1, 3000),
+    live_share=st.floats(0.0, 1.0),
+    slow_start_factor=st.floats(1.0, 3.0),
+    refusal_min_count=st.integers(1, 5),
+    ceiling_resume_fraction=st.floats(0.5, 1.0),
+)
+
+
+@st.composite
+def windows(draw: st.DrawFn) -> OutcomeWindow:
+    accepted_fresh = draw(st.integers(0, 300))
+    refused_fresh = draw(st.integers(0, 300))
+    return OutcomeWindow(
+        accepted=accepted_fresh + draw(st.integers(0, 300)),
+        refused=refused_fresh + draw(st.integers(0, 300)),
+        accepted_fresh=accepted_fresh,
+        refused_fresh=refused_fresh,
+        retry_after_s=draw(st.none() | st.floats(0.1, 60.0)),
+        interval_seconds=draw(st.none() | st.floats(0.0, 10.0)),
+    )
+
+
+@st.composite
+def demands(draw: st.DrawFn) -> Demand | None:
+    if draw(st.booleans()):
+        return None
+    budget = draw(st.integers(0, 3000))
+    return Demand(
+        budget=budget,
+        admitted=draw(st.integers(0, budget)),
+        backlog_empty=draw(st.booleans()),
+        inflight_capped=draw(st.booleans()),
+    )
+
+
+STEP = st.tuples(
+    windows(),
+    demands(),
+    st.floats(0.0, 12.0),  # seconds since the previous tick
+    st.integers(0, 4000),  # in flight
+    st.sampled_from([0.0, 0.0, 0.0, 3.0]),  # Retry-After cool-down left
+    st.booleans() | st.just(False),  # paused
+)
+Step = tuple[OutcomeWindow, Demand | None, float, int, float, bool]
+
+
+def walk(params: PacingParams, steps: list[Step]) -> list[tuple[PacerState, PacerState, TickPlan]]:
+    """(before, after, plan) for each step of a random history."""
+    state = initial_state(params, now=T0)
+    out = []
+    for window, demand, gap, inflight, cooldown, paused in steps:
+        after, plan = plan_tick(
+            state,
+            window,
+            demand,
+            now=state.last_tick + gap,
+            inflight=inflight,
+            params=params,
+            cooldown_remaining_s=cooldown,
+            paused=paused,
+        )
+        out.append((state, after, plan))
+        state = after
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(PARAMS, st.lists(STEP, min_size=1, max_size=40))
+def test_invariants_hold_over_any_history(params: PacingParams, steps: list[Step]) -> None:
+    for (_, after, plan), (_, _, _, inflight, cooldown, paused) in zip(
+        walk(params, steps), steps, strict=True
+    ):
+        assert params.min_rate <= after.rate <= params.max_rate
+        assert 0 <= plan.budget <= max(0, params.max_inflight - inflight)
+        assert 0.0 <= after.credit < 1.0
+        assert 0 <= plan.live_budget <= plan.budget
+        if cooldown > 0 or paused:
+            assert plan.budget == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    PARAMS,
+    st.lists(STEP, max_size=30),
+    STEP,
+    st.integers(1, 200),
+    st.integers(0, 200),
+)
+def test_refusals_never_raise_the_rate(
+    params: PacingParams, history: list[Step], step: Step, fresh: int, stale: int
+) -> None:
+    """The same tick with more refusals in its window never ends with a higher rate."""
+    state = walk(params, history)[-1][1] if history else initial_state(params, now=T0)
+    window, demand, gap, inflight, cooldown, paused = step
+    worse = replace(
+        window, refused=window.refused + fresh + stale, refused_fresh=window.refused_fresh + fresh
+    )
+    rates = [
+        plan_tick(
+            state,
+            w,
+            demand,
+            now=state.last_tick + gap,
+            inflight=inflight,
+            params=params,
+            cooldown_remaining_s=cooldown,
+            paused=paused,
+        )[0].rate
+        for w in (window, worse)
+    ]
+    assert rates[1] <= rates[0] + 1e-9
+
+
+@settings(max_examples=200, deadline=None)
+@given(PARAMS, st.lists(STEP, max_size=30), windows(), st.floats(0.0, 12.0), st.booleans())
+def test_an_idle_destination_never_grows(
+    params: PacingParams, history: list[Step], window: OutcomeWindow, gap: float, dry: bool
+) -> None:
+    """No demand (nothing due, or a leader's first tick): the rate does not rise.
+    (The refinement of a heavy cut by its own round trip's outcomes is part of
+    that cut, not growth.)"""
+    state = walk(params, history)[-1][1] if history else initial_state(params, now=T0)
+    if state.episode and state.heavy:
+        return
+    clean = replace(window, refused=0, refused_fresh=0, retry_after_s=None)
+    idle = Demand(budget=10, admitted=0, backlog_empty=True) if dry else None
+    after, _ = plan_tick(state, clean, idle, now=state.last_tick + gap, inflight=0, params=params)
+    assert after.rate <= state.rate + 1e-9
+
+
+@settings(max_examples=200, deadline=None)
+@given(PARAMS, st.lists(st.tuples(st.floats(0.0, 12.0), st.booleans()), min_size=1, max_size=60))
+def test_admissions_over_any_window_are_bounded_by_rate_times_window(
+    params: PacingParams, ticks: list[tuple[float, bool]]
+) -> None:
+    """For ticks i..j: sum of budgets <= (highest rate used) x (t_j - t_{i-1}) + 1,
+    where t_{i-1} is the previous tick (the first tick looks back one tick)."""
+    state = initial_state(params, now=T0)
+    times, budgets, rates = [state.last_tick], [], []
+    demand: Demand | None = None
+    for gap, accepted in ticks:
+        now = state.last_tick + gap
+        window = OutcomeWindow(accepted=int(state.rate), accepted_fresh=int(state.rate))
+        state, plan = plan_tick(
+            state, window if accepted else EMPTY, demand, now=now, inflight=0, params=params
+        )
+        times.append(now)
+        budgets.append(plan.budget)
+        rates.append(state.rate)
+        demand = full(plan.budget)
+    for i in range(len(budgets)):
+        for j in range(i, len(budgets)):
+            bound = max(rates[i : j + 1]) * (times[j + 1] - times[i]) + 1.0
+            assert sum(budgets[i : j + 1]) <= bound + 1e-6
+
+
+def test_the_module_constants_are_documented_in_the_docstring() -> None:
+    doc = pacer.__doc__ or ""
+    for name in ("HEAVY_RATIO", "decrease_margin", "increase_step", "slow_start_factor"):
+        assert name in doc
