@@ -66,6 +66,32 @@ class Publisher(Protocol):
         ...
 
 
+def _properties(job: ClaimedJob, headers: Mapping[str, str]) -> aiormq.spec.Basic.Properties:
+    return aiormq.spec.Basic.Properties(
+        content_type="application/json",
+        delivery_mode=2,
+        message_id=message_id(job.job_id, job.attempt),
+        correlation_id=job.job_id,
+        headers=dict(headers),
+    )
+
+
+def _confirmed(result: object) -> None:
+    if not isinstance(result, Basic.Ack):
+        raise PublishRejected(f"the broker did not acknowledge the message: {result!r}")
+
+
+def _translated(error: BaseException) -> PublishError:
+    """The PublishError that ``translate_errors`` makes of a driver error."""
+    try:
+        with translate_errors():
+            raise error
+    except PublishError as translated:
+        return translated
+    except Exception:  # not a broker error: still this message's failure
+        return PublishError(f"the publish failed: {error!r}")
+
+
 @contextlib.contextmanager
 def translate_errors() -> Iterator[None]:
     try:
@@ -111,6 +137,9 @@ class Broker:
     name: str = "pacerd"
     _connection: AbstractRobustConnection | None = None
     _channel: AbstractChannel | None = None
+    # The aiormq channel under ``_channel``, looked up once per connection
+    # rather than once per message (publishing goes straight to it).
+    _underlay: aiormq.abc.AbstractChannel | None = None
     _declared: set[str] = field(default_factory=set)
     on_close: Callable[[], None] | None = None
 
@@ -134,10 +163,12 @@ class Broker:
                 publisher_confirms=True, on_return_raises=True
             )
             await self._declare_core(self._channel)
+            self._underlay = await self._channel.get_underlay_channel()
         self._declared.clear()
 
     async def close(self) -> None:
         connection, self._connection, self._channel = self._connection, None, None
+        self._underlay = None
         if connection is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(connection.close(), 5)
@@ -176,27 +207,82 @@ class Broker:
             raise BrokerUnavailable("not connected to the broker")
         return self._channel
 
-    async def publish(self, job: ClaimedJob, headers: Mapping[str, str]) -> None:
+    async def _require_underlay(self) -> aiormq.abc.AbstractChannel:
         channel = self._require_channel()
-        properties = aiormq.spec.Basic.Properties(
-            content_type="application/json",
-            delivery_mode=2,
-            message_id=message_id(job.job_id, job.attempt),
-            correlation_id=job.job_id,
-            headers=dict(headers),
-        )
+        underlay = self._underlay
+        if underlay is None or underlay.is_closed:
+            with translate_errors():
+                underlay = self._underlay = await channel.get_underlay_channel()
+        return underlay
+
+    async def publish(self, job: ClaimedJob, headers: Mapping[str, str]) -> None:
+        underlay = await self._require_underlay()
         with translate_errors():
-            underlay = await channel.get_underlay_channel()
             result = await underlay.basic_publish(
                 ready_body(job),
                 exchange=READY_EXCHANGE,
                 routing_key=job.destination,
-                properties=properties,
+                properties=_properties(job, headers),
                 mandatory=True,
                 timeout=self.publish_timeout_seconds,
             )
-        if not isinstance(result, Basic.Ack):
-            raise PublishRejected(f"the broker did not acknowledge the message: {result!r}")
+        _confirmed(result)
+
+    async def publish_many(
+        self, jobs: Sequence[ClaimedJob], headers: Sequence[Mapping[str, str]]
+    ) -> list[PublishError | None]:
+        """Publishes ``jobs`` (``headers[i]`` for ``jobs[i]``) with their confirms
+        pipelined: every message is written before the first confirm is awaited,
+        and all of them share one ``publish_timeout_seconds``. Returns, in
+        order, None for each confirmed message and the ``PublishError`` of each
+        other one (as ``publish`` would raise it); raises nothing but
+        cancellation. One asyncio task per message inside, none outside."""
+        if not jobs:
+            return []
+        try:
+            underlay = await self._require_underlay()
+        except PublishError as exc:
+            return [exc] * len(jobs)
+
+        async def one(job: ClaimedJob, job_headers: Mapping[str, str]) -> None:
+            _confirmed(
+                await underlay.basic_publish(
+                    ready_body(job),
+                    exchange=READY_EXCHANGE,
+                    routing_key=job.destination,
+                    properties=_properties(job, job_headers),
+                    mandatory=True,
+                )
+            )
+
+        tasks = [
+            asyncio.ensure_future(one(job, job_headers))
+            for job, job_headers in zip(jobs, headers, strict=True)
+        ]
+        try:
+            _done, pending = await asyncio.wait(tasks, timeout=self.publish_timeout_seconds)
+        except BaseException:  # cancelled: leave nothing running behind
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        results: list[PublishError | None] = []
+        for task in tasks:
+            if task in pending:
+                results.append(PublishTimeout())
+            elif task.cancelled():  # the channel closed under it
+                results.append(BrokerUnavailable("the broker channel closed during the publish"))
+            elif (error := task.exception()) is None:
+                results.append(None)
+            elif isinstance(error, PublishError):
+                results.append(error)
+            else:
+                results.append(_translated(error))
+        return results
 
     async def publish_raw(
         self,
@@ -207,9 +293,8 @@ class Broker:
         exchange: str = "",
     ) -> None:
         """Publishes any message with confirms (parking invalid outcomes, tests)."""
-        channel = self._require_channel()
+        underlay = await self._require_underlay()
         with translate_errors():
-            underlay = await channel.get_underlay_channel()
             await underlay.basic_publish(
                 body,
                 exchange=exchange,

@@ -127,6 +127,8 @@ _MASK = "***"
 
 def redact(text: str) -> str:
     """``text`` with URL passwords and ``password=`` values replaced by ``***``."""
+    if "@" not in text and "=" not in text:  # neither pattern can match: the common case
+        return text
     text = _URL_PASSWORD.sub(rf"\1:{_MASK}@", text)
     return _KV_PASSWORD.sub(rf"\1={_MASK}", text)
 

@@ -1,0 +1,3 @@
+"""pacerd benchmarks (not tests): see README.md in this folder."""
+
+from __future__ import annotations

@@ -1,0 +1,278 @@
+"""Shared helpers for the benchmarks: where the services are, a fresh ledger
+database, fast seeding with ``generate_series``, process CPU/RSS readings,
+a no-op worker process, medians and table printing.
+
+Nothing here is imported by pacerd or its tests.
+
+Environment:
+    BENCH_ADMIN_DSN   PostgreSQL admin DSN   (postgresql://postgres@127.0.0.1:5432/postgres)
+    BENCH_AMQP_URL    RabbitMQ URL of a vhost of the benchmarks' own
+                      (amqp://guest:guest@127.0.0.1:5672/pacerd-bench); create it once:
+                      rabbitmqctl add_vhost pacerd-bench
+                      rabbitmqctl set_permissions -p pacerd-bench guest '.*' '.*' '.*'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
+
+import aiormq
+import asyncpg
+
+from pacerd import ledger
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Iterable, Sequence
+
+ADMIN_DSN = os.environ.get("BENCH_ADMIN_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
+AMQP_URL = os.environ.get("BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/pacerd-bench")
+BENCH_DIR = Path(__file__).resolve().parent
+ROOT = BENCH_DIR.parent
+DESTINATION = "bench"
+READY_QUEUE = f"pacerd.ready.{DESTINATION}"
+# ~200 B ready message body (the issue's reference size).
+PAD = "x" * 40
+
+
+def dsn_for(database: str) -> str:
+    parts = urlsplit(ADMIN_DSN)
+    return urlunsplit(parts._replace(path=f"/{database}"))
+
+
+async def admin(sql: str) -> None:
+    conn = await asyncpg.connect(ADMIN_DSN)
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+async def fresh_ledger(name: str) -> str:
+    """Drops and recreates database ``name``, migrates it; returns its DSN."""
+    await admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    await admin(f'CREATE DATABASE "{name}"')
+    dsn = dsn_for(name)
+    await ledger.migrate(dsn)
+    return dsn
+
+
+async def drop_database(name: str) -> None:
+    await admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+async def seed(
+    dsn: str,
+    n: int,
+    *,
+    destination: str = DESTINATION,
+    prefix: str = "j",
+    due_seconds_ago: float = 3600.0,
+    chunk: int = 500_000,
+) -> float:
+    """Inserts ``n`` due backlog jobs straight into ``pacerd.jobs`` (no history
+    rows: the fast path for large backlogs); returns seconds taken."""
+    t0 = time.perf_counter()
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(
+            "INSERT INTO pacerd.destinations (destination) VALUES ($1) ON CONFLICT DO NOTHING",
+            destination,
+        )
+        for start in range(1, n + 1, chunk):
+            stop = min(n, start + chunk - 1)
+            await conn.execute(
+                "INSERT INTO pacerd.jobs (job_id, kind, destination, max_attempts,"
+                " next_attempt_at, payload)"
+                " SELECT $1 || '-' || g, 'bench', $2, 10,"
+                "  now() - make_interval(secs => $3) + g * interval '1 microsecond',"
+                "  jsonb_build_object('n', g, 'pad', $6::text)"
+                " FROM generate_series($4::bigint, $5::bigint) g",
+                prefix,
+                destination,
+                due_seconds_ago,
+                start,
+                stop,
+                PAD,
+            )
+        await conn.execute("ANALYZE pacerd.jobs")
+    finally:
+        await conn.close()
+    return time.perf_counter() - t0
+
+
+async def state_counts(dsn: str) -> dict[str, int]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch("SELECT state, count(*) AS n FROM pacerd.jobs GROUP BY state")
+        return {r["state"]: r["n"] for r in rows}
+    finally:
+        await conn.close()
+
+
+@contextlib.asynccontextmanager
+async def amqp_channel(url: str = AMQP_URL) -> AsyncIterator[aiormq.abc.AbstractChannel]:
+    connection = await aiormq.connect(url)
+    try:
+        yield await connection.channel()
+    finally:
+        await connection.close()
+
+
+async def reset_queues(url: str = AMQP_URL) -> None:
+    """Deletes the benchmark's queues and exchanges: every run starts empty."""
+    async with amqp_channel(url) as ch:
+        for queue in (READY_QUEUE, "pacerd.outcomes", "pacerd.outcomes.invalid", "bench.raw"):
+            with contextlib.suppress(Exception):
+                await ch.queue_delete(queue)
+    async with amqp_channel(url) as ch:
+        await ch.exchange_declare("pacerd.ready", exchange_type="direct", durable=True)
+        await ch.exchange_declare("pacerd.outcomes", exchange_type="fanout", durable=True)
+        args: dict[str, Any] = {"x-queue-type": "quorum"}
+        await ch.queue_declare(READY_QUEUE, durable=True, arguments=args)
+        await ch.queue_bind(READY_QUEUE, "pacerd.ready", routing_key=DESTINATION)
+        await ch.queue_declare("pacerd.outcomes", durable=True, arguments=args)
+        await ch.queue_bind("pacerd.outcomes", "pacerd.outcomes", routing_key="")
+        await ch.queue_declare("pacerd.outcomes.invalid", durable=True, arguments=args)
+
+
+# -- process readings ------------------------------------------------------------------
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True, slots=True)
+class ProcSample:
+    cpu_seconds: float
+    rss_mb: float
+    hwm_mb: float
+
+
+def proc_sample(pid: int) -> ProcSample:
+    """utime+stime (s), VmRSS and VmHWM (peak RSS, MB) of a live process."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    cpu = (int(fields[11]) + int(fields[12])) / _TICKS
+    rss = hwm = 0.0
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            rss = int(line.split()[1]) / 1024
+        elif line.startswith("VmHWM:"):
+            hwm = int(line.split()[1]) / 1024
+    return ProcSample(cpu, rss, hwm)
+
+
+def machine_description() -> str:
+    cpu = "?"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+    def version(cmd: list[str]) -> str:
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return "?"
+        return out.strip().splitlines()[0] if out.strip() else "?"
+
+    pg = version(["psql", ADMIN_DSN, "-Atc", "SHOW server_version"])
+    rmq = version(["rabbitmqctl", "-q", "version"])
+    return (
+        f"{os.cpu_count()} cores ({cpu}), {mem_gb:.0f} GiB, {platform.system()} "
+        f"{platform.release()}; Python {platform.python_version()}; PostgreSQL {pg}; "
+        f"RabbitMQ {rmq}; shared with other workloads"
+    )
+
+
+# -- no-op worker subprocess ---------------------------------------------------------
+
+
+def start_worker(mode: str, *, prefetch: int = 1000, url: str = AMQP_URL) -> subprocess.Popen[str]:
+    """Starts ``bench/noop_worker.py`` consuming the ready queue: ``ack`` only
+    acknowledges (dispatch alone); ``report`` publishes an ``ok`` outcome with
+    confirms, then acknowledges (full cycle). Returns once it consumes."""
+    proc = subprocess.Popen(
+        [sys.executable, str(BENCH_DIR / "noop_worker.py"), mode, url, READY_QUEUE, str(prefetch)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if "consuming" not in line:
+        proc.kill()
+        raise RuntimeError(f"worker did not start: {line!r}")
+    return proc
+
+
+def stop_process(proc: subprocess.Popen[Any], *, timeout: float = 15.0) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# -- statistics and tables -------------------------------------------------------------
+
+
+def median(values: Iterable[float]) -> float:
+    vals = list(values)
+    return statistics.median(vals) if vals else float("nan")
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A Markdown table (prints well in a terminal and pastes into RESULTS.md)."""
+
+    def cell(value: object) -> str:
+        if isinstance(value, float):
+            if value != value:  # NaN
+                return "–"
+            return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.2f}"
+        if isinstance(value, int):
+            return f"{value:,}"
+        return str(value)
+
+    body = [[cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(headers)]
+    lines = [
+        "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |",
+        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+    ]
+    lines += [
+        "| "
+        + " | ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
+        + " |"
+        for r in body
+    ]
+    return "\n".join(lines)
+
+
+def run(main: Any) -> Any:
+    """Runs a coroutine function on uvloop (as the daemon does)."""
+    import uvloop
+
+    return uvloop.run(main())
