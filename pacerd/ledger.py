@@ -78,7 +78,7 @@ def translate_errors() -> Iterator[None]:
         if state in _UNAVAILABLE_STATES or state.startswith("08"):
             raise LedgerUnavailable(f"the ledger went away: {exc}") from exc
         raise LedgerError(f"ledger error [{state}]: {exc}") from exc
-    except (OSError, asyncpg.InterfaceError, TimeoutError) as exc:
+    except (OSError, asyncpg.InterfaceError, asyncpg.InternalClientError, TimeoutError) as exc:
         raise LedgerUnavailable(f"the ledger cannot be reached: {exc}") from exc
 
 
@@ -405,7 +405,7 @@ class Ledger:
                     async with conn.transaction():
                         return await _report_batch(conn, sql, reports)
                 except asyncpg.PostgresError as exc:
-                    if getattr(exc, "sqlstate", None) != "22023":
+                    if not (getattr(exc, "sqlstate", None) or "").startswith("22"):
                         raise
                 results: list[str] = []
                 async with conn.transaction():
@@ -414,7 +414,7 @@ class Ledger:
                             async with conn.transaction():
                                 results.extend(await _report_batch(conn, sql, [report]))
                         except asyncpg.PostgresError as exc:
-                            if getattr(exc, "sqlstate", None) != "22023":
+                            if not (getattr(exc, "sqlstate", None) or "").startswith("22"):
                                 raise
                             results.append(f"rejected: {exc}")
                 return results
@@ -605,7 +605,13 @@ class LeaderLocks:
         try:
             with anyio.CancelScope(shield=True):
                 return await conn.fetchval(sql, *args, timeout=self.probe_timeout_seconds)
-        except (asyncpg.InterfaceError, OSError, TimeoutError, asyncpg.PostgresError) as exc:
+        except (
+            asyncpg.InterfaceError,
+            asyncpg.InternalClientError,
+            OSError,
+            TimeoutError,
+            asyncpg.PostgresError,
+        ) as exc:
             if conn is self._conn:
                 self._drop()
             raise LedgerUnavailable(f"the leadership session failed: {exc}") from exc

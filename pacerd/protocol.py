@@ -119,7 +119,7 @@ def decode_ready(body: bytes, *, clock: Clock | None = None) -> Job:
     """Decodes and validates a ready message; raises ``InvalidEnvelope``."""
     try:
         doc = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise InvalidEnvelope(f"body is not JSON: {exc}") from None
     job_id, attempt = None, None
     if isinstance(doc, dict):
@@ -196,7 +196,7 @@ def parse_outcome(body: bytes) -> Report:
     """Decodes and validates an outcome message (DESIGN.md, "Messages")."""
     try:
         doc = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise InvalidOutcome(f"body is not JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise InvalidOutcome(f"body must be a JSON object, got {type(doc).__name__}")

@@ -1,0 +1,89 @@
+"""The worker program of the fault-injection suite (``pacerd worker --app faultapp:app``).
+
+Each job makes one call to the model upstream with an ``Idempotency-Key`` of
+``job.idempotency_key`` plus the job's revision (so the upstream's record shows
+which revision executed), the way ``pacerd.testing.demo_app`` does (its HTTP
+client and ``Retry-After`` parsing are reused), and the upstream's answer
+becomes the outcome. Around the call it appends one JSON line per event to
+``FAULT_CALL_LOG`` (``start`` before the call, ``called`` after it, with the
+status), unbuffered, so a worker killed with SIGKILL leaves an exact trace of
+the calls it made. ``FAULT_HOLD_MS`` holds every handler that long between the
+upstream call and its return — the window in which the harness kills workers
+"between the upstream call and the outcome report".
+
+Environment: ``FAULT_UPSTREAM`` (base URL), ``FAULT_DESTINATIONS`` (comma
+separated), ``FAULT_CALL_LOG``, ``FAULT_HOLD_MS``, ``FAULT_PREFETCH``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from typing import Any
+
+from pacerd.testing.demo_app import http_request, parse_retry_after
+from pacerd.worker import Fail, Job, Refused, Retry, WorkerApp
+
+
+def effect_key(job: Job) -> str:
+    """The idempotency key the upstream sees: stable across offers of one revision."""
+    return f"{job.idempotency_key}@r{job.revision}"
+
+
+class CallLog:
+    """Appends JSON lines with one ``write(2)`` each (atomic, nothing buffered)."""
+
+    def __init__(self, path: str | None) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if path else None
+
+    def write(self, **fields: Any) -> None:
+        if self._fd is not None:
+            os.write(self._fd, (json.dumps(fields, separators=(",", ":")) + "\n").encode())
+
+
+def build_app(
+    upstream: str, destinations: list[str], *, log: CallLog, hold_ms: float, prefetch: int
+) -> WorkerApp:
+    app = WorkerApp(destinations=destinations, prefetch=prefetch, handler_timeout_seconds=20.0)
+    pid = os.getpid()
+
+    @app.handler()
+    async def call(job: Job) -> dict[str, Any]:
+        key = effect_key(job)
+        base = {"job_id": job.job_id, "attempt": job.attempt, "revision": job.revision}
+        base |= {"key": key, "pid": pid}
+        log.write(ev="start", t=time.time(), **base)
+        try:
+            response = await http_request(
+                f"{upstream}/v1/call",
+                body=json.dumps(job.payload).encode(),
+                headers={"Idempotency-Key": key, "Content-Type": "application/json"},
+            )
+        except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError) as exc:
+            log.write(ev="called", t=time.time(), status=0, **base)
+            raise Retry(f"upstream unreachable: {exc!r}") from None
+        answer = response.json() if response.status == 200 else {}
+        duplicate = bool(answer.get("duplicate"))
+        log.write(ev="called", t=time.time(), status=response.status, duplicate=duplicate, **base)
+        if hold_ms > 0:
+            await asyncio.sleep(hold_ms / 1000)
+        if response.status == 429:
+            raise Refused(retry_after_s=parse_retry_after(response.headers.get("retry-after")))
+        if response.status >= 500:
+            raise Retry(f"upstream answered HTTP {response.status}")
+        if response.status >= 400:
+            raise Fail(f"upstream answered HTTP {response.status}")
+        return {"pid": pid, "key": key, "duplicate": duplicate}
+
+    return app
+
+
+app = build_app(
+    os.environ.get("FAULT_UPSTREAM", "http://127.0.0.1:9"),
+    [d for d in os.environ.get("FAULT_DESTINATIONS", "faults").split(",") if d],
+    log=CallLog(os.environ.get("FAULT_CALL_LOG")),
+    hold_ms=float(os.environ.get("FAULT_HOLD_MS", "0")),
+    prefetch=int(os.environ.get("FAULT_PREFETCH", "16")),
+)

@@ -1,0 +1,1226 @@
+"""The fault-injection harness: runs ``pacerd run``, ``pacerd worker`` (with
+``faultapp``) and the model upstream against the real PostgreSQL and RabbitMQ,
+lets a scenario inject faults, then audits the ledger, the workers' call logs,
+the daemons' tick logs and the upstream's record of idempotency keys.
+
+It reuses the project's pieces: ``pacerd.testing.upstream.ModelUpstream`` (the
+rate-limited upstream that records each accepted call's key),
+``pacerd.testing.demo_app`` (through ``faultapp``), the SQL API for the
+workload, the CLI verbs as an operator runs them. Both the fast tests
+(``tests/faults``) and the full benchmark (``bench/faults/run.py``) drive it.
+
+    async with Rig(dsn=..., amqp_url=..., workdir=..., destination="faults-x") as rig:
+        await rig.schedule(1000)
+        pacerd = await rig.start_pacerd()
+        await rig.start_workers(2)
+        ...                                   # faults, recorded with rig.fault(...)
+        audit = await rig.audit(within=30)   # waits for the drain to settle, then audits
+        assert audit.violations() == []
+
+What the audit checks (``Audit.violations``): no job lost (every job is
+completed, dead with a reason, or scheduled for later; none missing, stuck or
+completed without its side effect); no side effect executed twice (no key
+accepted again after its job completed; no superseded revision executed);
+duplicate offers within the scenario's bound; no tick claimed above its
+budget and no one-second window above the rate's allowance; the upstream never
+saw more calls in a second than its capacity and burst; every pacerd that
+should run answers ``/healthz``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import itertools
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote, urlsplit, urlunsplit
+
+import aio_pika
+import anyio
+import anyio.to_thread
+import asyncpg
+from tcp_proxy import FaultProxy
+
+from pacerd.publisher import INVALID_QUEUE, OUTCOMES_QUEUE, ready_queue_name
+from pacerd.testing.demo_app import http_request
+from pacerd.testing.upstream import CapacitySchedule, ModelUpstream, UpstreamParams
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+
+    from anyio.abc import TaskGroup
+
+FAULTS_DIR = Path(__file__).resolve().parent
+ADMIN_DSN = os.environ.get("PACERD_TEST_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
+AMQP_URL = os.environ.get("PACERD_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
+HARNESS_APP = "pacerd-fault-harness"
+
+# AMQP basic.publish to the `pacerd.ready` exchange: class 60, method 40, a
+# reserved short, then the exchange name as a short string.
+PUBLISH_FRAME = b"\x00\x3c\x00\x28\x00\x00\x0cpacerd.ready"
+DB_DOWN = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
+
+
+# -- configuration ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Knobs:
+    """The pacerd config a scenario runs with (short ticks and leases)."""
+
+    tick_seconds: float = 0.2
+    initial_rate: float = 100.0
+    min_rate: float = 10.0
+    max_rate: float = 300.0
+    increase_step: float = 20.0
+    max_inflight: int = 400
+    claim_seconds: float = 2.0
+    offer_seconds: float = 15.0
+    reconcile_seconds: float = 0.5
+    publish_timeout_seconds: float = 2.0
+    max_attempts: int = 10
+    backoff_base_seconds: float = 0.2
+    backoff_cap_seconds: float = 1.0
+    shutdown_grace_seconds: float = 3.0
+    connect_timeout_seconds: float = 3.0
+    pool_max_size: int = 8
+
+
+def config_toml(
+    knobs: Knobs, *, dsn: str, amqp_url: str, http_port: int | None, log_level: str = "debug"
+) -> str:
+    k = knobs
+    http = f"127.0.0.1:{http_port}" if http_port else ""
+    return f"""
+[database]
+dsn = "{dsn}"
+pool_max_size = {k.pool_max_size}
+connect_timeout_seconds = {k.connect_timeout_seconds}
+
+[broker]
+url = "{amqp_url}"
+publish_timeout_seconds = {k.publish_timeout_seconds}
+
+[pacing]
+tick_seconds = {k.tick_seconds}
+initial_rate = {k.initial_rate}
+min_rate = {k.min_rate}
+max_rate = {k.max_rate}
+increase_step = {k.increase_step}
+max_inflight = {k.max_inflight}
+
+[leases]
+claim_seconds = {k.claim_seconds}
+offer_seconds = {k.offer_seconds}
+
+[retry]
+max_attempts = {k.max_attempts}
+backoff_base_seconds = {k.backoff_base_seconds}
+backoff_cap_seconds = {k.backoff_cap_seconds}
+
+[reconcile]
+interval_seconds = {k.reconcile_seconds}
+
+[daemon]
+shutdown_grace_seconds = {k.shutdown_grace_seconds}
+
+[telemetry]
+log_format = "json"
+log_level = "{log_level}"
+http_address = "{http}"
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def with_port(url: str, port: int) -> str:
+    parts = urlsplit(url)
+    netloc = parts.netloc.rsplit("@", 1)
+    host = f"{parts.hostname}:{port}"
+    return urlunsplit(parts._replace(netloc=f"{netloc[0]}@{host}" if len(netloc) == 2 else host))
+
+
+def dsn_for(database: str, admin_dsn: str = ADMIN_DSN) -> str:
+    return urlunsplit(urlsplit(admin_dsn)._replace(path=f"/{database}"))
+
+
+# -- services (the bench creates its own database and vhost) ------------------------------
+
+
+def rabbitmqctl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["rabbitmqctl", "-q", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+async def create_database(name: str) -> str:
+    from pacerd import ledger
+
+    conn = await asyncpg.connect(ADMIN_DSN)
+    try:
+        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await conn.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await conn.close()
+    await ledger.migrate(dsn_for(name))
+    return dsn_for(name)
+
+
+async def drop_database(name: str) -> None:
+    conn = await asyncpg.connect(ADMIN_DSN)
+    try:
+        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await conn.close()
+
+
+async def create_vhost(vhost: str) -> str:
+    """A RabbitMQ vhost of the run's own, so no other pacerd consumes its outcomes."""
+    for args in (["add_vhost", vhost], ["set_permissions", "-p", vhost, "guest", ".*", ".*", ".*"]):
+        done = await anyio.to_thread.run_sync(rabbitmqctl, *args)
+        if done.returncode != 0 and "already_exists" not in done.stderr:
+            raise RuntimeError(f"rabbitmqctl {' '.join(args)}: {done.stderr.strip()}")
+    return urlunsplit(urlsplit(AMQP_URL)._replace(path="/" + quote(vhost, safe="")))
+
+
+async def delete_vhost(vhost: str) -> None:
+    await anyio.to_thread.run_sync(lambda: rabbitmqctl("delete_vhost", vhost))
+
+
+# -- processes -------------------------------------------------------------------------
+
+
+def child_env(extra: Mapping[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PACERD_")}
+    env.update(
+        {
+            "OTEL_TRACES_EXPORTER": "none",
+            "OTEL_METRICS_EXPORTER": "none",
+            "OTEL_LOGS_EXPORTER": "none",
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join(
+                [str(FAULTS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
+        }
+    )
+    env.update(extra)
+    return env
+
+
+class Proc:
+    """A child process (its own session), its log file, SIGKILL/SIGTERM."""
+
+    def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str], log: Path) -> None:
+        self.name, self.log = name, log
+        with log.open("ab") as out:
+            self.process = subprocess.Popen(
+                list(argv), stdout=out, stderr=subprocess.STDOUT, env=dict(env),
+                start_new_session=True,
+            )  # fmt: skip
+        self.killed = False
+        self.stopped = False  # told to stop (SIGTERM)
+        self.restarted = False  # a crash the harness restarted, as systemd would
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def kill9(self) -> None:
+        if self.alive:
+            self.killed = True
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+    def send(self, sig: signal.Signals) -> None:
+        if self.alive:
+            self.stopped = self.stopped or sig in (signal.SIGTERM, signal.SIGINT)
+            self.process.send_signal(sig)
+
+    async def wait_exit(self, within: float) -> int | None:
+        with anyio.move_on_after(within):
+            while self.alive:
+                await anyio.sleep(0.05)
+        return self.process.poll()
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def events(self, name: str | None = None) -> Iterator[dict[str, Any]]:
+        for line in self.text().splitlines():
+            if not line.startswith("{"):
+                continue
+            try:
+                doc = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(doc, dict) and (name is None or doc.get("event") == name):
+                yield doc
+
+    async def wait_event(self, name: str, *, within: float = 30) -> dict[str, Any]:
+        with anyio.fail_after(within):
+            while True:
+                for doc in self.events(name):
+                    return doc
+                if not self.alive:
+                    raise RuntimeError(f"{self.name} exited: {self.text()[-3000:]}")
+                await anyio.sleep(0.05)
+
+
+class PacerdProc(Proc):
+    def __init__(
+        self, name: str, config: Path, env: Mapping[str, str], log: Path, port: int, proxied: bool
+    ) -> None:
+        argv = [sys.executable, "-m", "quiet_pacerd", "run", "-c", str(config)]
+        super().__init__(name, argv, env, log)
+        self.http_port, self.proxied = port, proxied
+
+    async def healthz(self) -> int:
+        """The status of ``GET /healthz`` (0 when it does not answer)."""
+        try:
+            response = await http_request(
+                f"http://127.0.0.1:{self.http_port}/healthz", method="GET", timeout_seconds=3
+            )
+        except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError):
+            return 0
+        return response.status
+
+
+class WorkerProc(Proc):
+    def __init__(self, name: str, config: Path, env: Mapping[str, str], log: Path, calls: Path):
+        argv = [
+            sys.executable,
+            "-m",
+            "pacerd",
+            "worker",
+            "--app",
+            "faultapp:app",
+            "-c",
+            str(config),
+        ]
+        super().__init__(name, argv, env, log)
+        self.calls = calls
+
+
+# -- faults ----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Fault:
+    kind: str
+    started: float  # wall-clock seconds
+    ended: float | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Bounds:
+    """What a scenario allows (duplicate offers are bounded, not zero)."""
+
+    dup_offers: int = 0
+    refusals: int = 0  # upstream refusals (calls beyond its capacity and burst)
+    must_complete: bool = True  # every job completed (no dead expected)
+    crashes_allowed: int = 0  # pacerd exits on its own (a known bug, named where allowed)
+
+
+# -- the audit ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Audit:
+    scenario: str
+    jobs: int
+    faults: list[Fault]
+    states: dict[str, int]
+    missing: int
+    stuck: int  # claimed or offered after the drain settled
+    due_left: int  # due and scheduled after the drain settled (pacerd stopped admitting)
+    future: int  # scheduled for later (legitimately waiting)
+    dead: int
+    dead_without_reason: int
+    completed_without_effect: int
+    replays: int  # upstream calls repeating a key before its job completed (absorbed by the key)
+    dup_effects: int  # keys accepted again after their job completed
+    superseded_executed: int
+    dup_offers: int
+    deliveries: int
+    max_over_budget: int  # claimed - budget, per tick (logs), and per 1 s window (ledger)
+    ticks_logged: int
+    claim_groups: int
+    upstream_capacity: float
+    upstream_peak: int  # most calls the upstream saw in one second
+    upstream_refused: int
+    recovery_seconds: float | None
+    unhealthy: list[str]
+    crashes: list[str]  # pacerd exits the harness restarted, as systemd would
+    bounds: Bounds
+    notes: list[str] = field(default_factory=list)
+    elapsed_seconds: float = 0.0
+
+    @property
+    def lost(self) -> int:
+        """Jobs gone from the ledger, closed without a reason, or completed without
+        their effect (a job still due or in flight is late, not lost)."""
+        return self.missing + self.dead_without_reason + self.completed_without_effect
+
+    def violations(self) -> list[str]:
+        v = []
+        if self.lost:
+            v.append(
+                f"lost {self.lost}: missing {self.missing}, dead without reason"
+                f" {self.dead_without_reason}, completed without effect"
+                f" {self.completed_without_effect} ({self.states})"
+            )
+        if self.stuck or self.due_left:
+            v.append(
+                f"not drained in time: {self.due_left} due, {self.stuck} claimed or offered"
+                f" ({self.states})"
+            )
+        if self.bounds.must_complete and self.states.get("completed", 0) + self.future < self.jobs:
+            v.append(f"not every job completed: {self.states}")
+        if self.dup_effects:
+            v.append(f"{self.dup_effects} side effects executed again after completion")
+        if self.superseded_executed:
+            v.append(f"{self.superseded_executed} superseded revisions executed")
+        if self.dup_offers > self.bounds.dup_offers:
+            v.append(f"duplicate offers {self.dup_offers} > bound {self.bounds.dup_offers}")
+        if self.max_over_budget > 0:
+            v.append(f"admitted above budget by {self.max_over_budget}")
+        if self.upstream_refused > self.bounds.refusals:
+            v.append(
+                f"the upstream refused {self.upstream_refused} calls (more than its capacity"
+                f" {self.upstream_capacity:.0f}/s and burst; allowed {self.bounds.refusals})"
+            )
+        if self.unhealthy:
+            v.append(f"unhealthy: {self.unhealthy}")
+        if len(self.crashes) > self.bounds.crashes_allowed:
+            v.append(f"crashed (restarted by the harness, as systemd would): {self.crashes}")
+        v += [n.removeprefix("VIOLATION: ") for n in self.notes if n.startswith("VIOLATION: ")]
+        return v
+
+    def fault_summary(self) -> str:
+        kinds = Counter(f.kind for f in self.faults)
+        return ", ".join(f"{n}× {k}" for k, n in kinds.items()) or "none"
+
+    def row(self) -> dict[str, str]:
+        return {
+            "scenario": self.scenario,
+            "jobs": f"{self.jobs:,}",
+            "faults injected": self.fault_summary(),
+            "lost": str(self.lost),
+            "duplicate effects": str(self.dup_effects + self.superseded_executed),
+            "replayed calls": str(self.replays),
+            "duplicate offers": str(self.dup_offers),
+            "max over-budget": str(self.max_over_budget),
+            "upstream peak/s (cap, refused)": (
+                f"{self.upstream_peak} ({self.upstream_capacity:.0f}, {self.upstream_refused})"
+            ),
+            "crashes": str(len(self.crashes)),
+            "recovery time": "-"
+            if self.recovery_seconds is None
+            else f"{self.recovery_seconds:.1f} s",
+            "result": "pass" if not self.violations() else "FAIL",
+        }
+
+
+def markdown_table(rows: Sequence[Mapping[str, str]]) -> str:
+    if not rows:
+        return ""
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(r[c] for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _epoch(value: dt.datetime) -> float:
+    return value.timestamp()
+
+
+# -- the rig ---------------------------------------------------------------------------
+
+
+class Rig:
+    """One scenario's world: ledger, vhost, upstream, proxies, daemons, workers."""
+
+    def __init__(
+        self,
+        *,
+        dsn: str,
+        amqp_url: str,
+        workdir: Path,
+        destination: str,
+        knobs: Knobs | None = None,
+        capacity: float = 600.0,
+        burst_seconds: float = 0.5,
+        proxy_ledger: bool = False,
+        proxy_broker: bool = False,
+        proxy_workers: bool = False,
+        hold_ms: float = 0.0,
+        prefetch: int = 16,
+        upstream_latency_ms: float = 5.0,
+        log_level: str = "debug",
+        restart_seconds: float = 2.0,
+    ) -> None:
+        self.dsn, self.amqp_url, self.workdir = dsn, amqp_url, workdir
+        self.restart_seconds = restart_seconds
+        self.destination = destination
+        self.knobs = knobs or Knobs()
+        self.capacity, self.burst_seconds = capacity, burst_seconds
+        self.hold_ms, self.prefetch, self.log_level = hold_ms, prefetch, log_level
+        self.upstream = ModelUpstream(
+            UpstreamParams(
+                schedule=CapacitySchedule(((0.0, capacity),)),
+                burst_seconds=burst_seconds,
+                latency_median_ms=upstream_latency_ms,
+                latency_sigma=0.3,
+            ),
+            seed=7,
+        )
+        parts = urlsplit(dsn)
+        amqp = urlsplit(amqp_url)
+        self.ledger_proxy = FaultProxy(parts.port or 5432) if proxy_ledger else None
+        self.broker_proxy = FaultProxy(amqp.port or 5672) if proxy_broker else None
+        self.worker_proxy = FaultProxy(amqp.port or 5672) if proxy_workers else None
+        self.pool: asyncpg.Pool | None = None
+        self.pacerds: list[PacerdProc] = []
+        self.workers: list[WorkerProc] = []
+        self.faults: list[Fault] = []
+        self.crashes: list[str] = []
+        self.crashes_allowed = 0
+        self.crash_loop_after = 5
+        self._tg: TaskGroup | None = None
+        self.jobs = 0
+        self.started_at = time.time()
+        self.extra_deliveries_allowed = 0
+        self._n = 0
+        (workdir / "logs").mkdir(parents=True, exist_ok=True)
+
+    # -- lifecycle
+
+    async def __aenter__(self) -> Rig:
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self._supervise)
+        self.pool = await asyncpg.create_pool(
+            self.dsn, min_size=1, max_size=4, server_settings={"application_name": HARNESS_APP}
+        )
+        await self.upstream.start()
+        for proxy in (self.ledger_proxy, self.broker_proxy, self.worker_proxy):
+            if proxy is not None:
+                await proxy.start()
+        await self._declare_queue()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._tg is not None:
+            self._tg.cancel_scope.cancel()
+            await self._tg.__aexit__(None, None, None)
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.stop_all()
+                for proxy in (self.ledger_proxy, self.broker_proxy, self.worker_proxy):
+                    if proxy is not None:
+                        await proxy.close()
+                await self.upstream.close()
+                with contextlib.suppress(Exception):
+                    await self._delete_queue()
+            finally:
+                if self.pool is not None:
+                    await self.pool.close()
+
+    async def _supervise(self) -> None:
+        """Restarts a pacerd or worker that exits on its own after
+        ``restart_seconds``, as the systemd unit does (``Restart=on-failure``,
+        ``RestartSec=2``); each crash is recorded (the audit counts them)."""
+        while True:
+            for p in [*self.pacerds, *self.workers]:
+                if p.alive or p.killed or p.stopped or p.restarted:
+                    continue
+                p.restarted = True
+                error = next(
+                    (line for line in reversed(p.text().splitlines()) if "Error" in line), ""
+                )
+                self.crashes.append(f"{p.name} exited ({p.process.returncode}): {error.strip()}")
+                await anyio.sleep(self.restart_seconds)
+                if isinstance(p, PacerdProc):
+                    await self.start_pacerd(wait_ready=False, proxied=p.proxied)
+                else:
+                    await self.start_worker()
+            await anyio.sleep(0.1)
+
+    async def stop_all(self) -> None:
+        """SIGTERM every child (daemons first), SIGKILL what is left after a few seconds."""
+        for group in (self.pacerds, self.workers):
+            for p in group:
+                p.send(signal.SIGTERM)
+            for p in group:
+                if await p.wait_exit(8) is None:
+                    p.kill9()
+                    await p.wait_exit(5)
+
+    async def _declare_queue(self) -> None:
+        """Declares the destination's ready queue, and empties the vhost's outcome
+        queues: what an earlier scenario left there (a poison message) is not ours."""
+        connection = await aio_pika.connect(self.amqp_url)
+        async with connection:
+            channel = await connection.channel()
+            await channel.declare_queue(
+                ready_queue_name(self.destination),
+                durable=True,
+                arguments={"x-queue-type": "quorum"},
+            )
+            for name in (OUTCOMES_QUEUE, INVALID_QUEUE):
+                queue = await channel.declare_queue(
+                    name, durable=True, arguments={"x-queue-type": "quorum"}
+                )
+                await queue.purge()
+
+    async def _delete_queue(self) -> None:
+        connection = await aio_pika.connect(self.amqp_url)
+        async with connection:
+            channel = await connection.channel()
+            await channel.queue_delete(ready_queue_name(self.destination))
+
+    # -- addresses
+
+    @property
+    def pacerd_dsn(self) -> str:
+        return with_port(self.dsn, self.ledger_proxy.port) if self.ledger_proxy else self.dsn
+
+    @property
+    def pacerd_amqp_url(self) -> str:
+        if self.broker_proxy is None:
+            return self.amqp_url
+        return with_port(self.amqp_url, self.broker_proxy.port)
+
+    @property
+    def worker_amqp_url(self) -> str:
+        if self.worker_proxy is None:
+            return self.amqp_url
+        return with_port(self.amqp_url, self.worker_proxy.port)
+
+    def db(self) -> asyncpg.Pool:
+        assert self.pool is not None
+        return self.pool
+
+    # -- children
+
+    def _next(self, prefix: str) -> str:
+        self._n += 1
+        return f"{prefix}-{self._n}"
+
+    def write_config(
+        self, name: str, *, knobs: Knobs | None = None, http_port: int = 0, proxied: bool = True
+    ) -> Path:
+        path = self.workdir / f"{name}.toml"
+        path.write_text(
+            config_toml(
+                knobs or self.knobs,
+                dsn=self.pacerd_dsn if proxied else self.dsn,
+                amqp_url=self.pacerd_amqp_url if proxied else self.amqp_url,
+                http_port=http_port,
+                log_level=self.log_level,
+            )
+        )
+        return path
+
+    async def start_pacerd(
+        self, *, wait_ready: bool = True, knobs: Knobs | None = None, proxied: bool = True
+    ) -> PacerdProc:
+        """A ``pacerd run`` (through the proxies, unless ``proxied`` is False)."""
+        name = self._next("pacerd")
+        port = free_port()
+        config = self.write_config(name, knobs=knobs, http_port=port, proxied=proxied)
+        env = child_env({"PACERD_DAEMON__INSTANCE_NAME": f"{self.destination}/{name}"})
+        proc = PacerdProc(name, config, env, self.workdir / "logs" / f"{name}.log", port, proxied)
+        self.pacerds.append(proc)
+        if wait_ready:
+            await proc.wait_event("pacerd_ready", within=60)
+        return proc
+
+    def instance_of(self, proc: PacerdProc) -> str:
+        return f"{self.destination}/{proc.name}"
+
+    async def start_worker(self) -> WorkerProc:
+        name = self._next("worker")
+        config = self.workdir / "worker.toml"
+        if not config.exists():
+            config.write_text(
+                config_toml(self.knobs, dsn=self.dsn, amqp_url=self.worker_amqp_url,
+                            http_port=None, log_level="info")
+            )  # fmt: skip
+        calls = self.workdir / "logs" / f"{name}.calls.jsonl"
+        env = child_env(
+            {
+                "FAULT_UPSTREAM": self.upstream.url,
+                "FAULT_DESTINATIONS": self.destination,
+                "FAULT_CALL_LOG": str(calls),
+                "FAULT_HOLD_MS": str(self.hold_ms),
+                "FAULT_PREFETCH": str(self.prefetch),
+            }
+        )
+        proc = WorkerProc(name, config, env, self.workdir / "logs" / f"{name}.log", calls)
+        self.workers.append(proc)
+        return proc
+
+    async def start_workers(self, n: int) -> list[WorkerProc]:
+        procs = [await self.start_worker() for _ in range(n)]
+        for p in procs:
+            await p.wait_event("worker_started", within=60)
+        return procs
+
+    async def start(self, *, workers: int) -> tuple[PacerdProc, list[WorkerProc]]:
+        """Workers and one pacerd, started together (their start-ups overlap)."""
+        procs = [await self.start_worker() for _ in range(workers)]
+        pacerd = await self.start_pacerd(wait_ready=False)
+        for p in procs:
+            await p.wait_event("worker_started", within=60)
+        await pacerd.wait_event("pacerd_ready", within=60)
+        return pacerd, procs
+
+    def live_pacerds(self) -> list[PacerdProc]:
+        return [p for p in self.pacerds if p.alive]
+
+    # -- workload
+
+    async def schedule(
+        self,
+        n: int,
+        *,
+        prefix: str = "job",
+        overdue_from_seconds: float = 3600.0,
+        overdue_to_seconds: float = 600.0,
+        payload_bytes: int = 64,
+    ) -> int:
+        """``n`` jobs that fell due between ``overdue_from`` and ``overdue_to`` seconds
+        ago, oldest first, through ``pacerd.schedule`` in batches."""
+        done = 0
+        batch = 5000
+        pad = "x" * max(0, payload_bytes - 20)
+        async with self.db().acquire() as conn:
+            for start in range(1, n + 1, batch):
+                stop = min(n, start + batch - 1)
+                done += await conn.fetchval(
+                    "SELECT count(*) FILTER (WHERE pacerd.schedule(job_id => $1 || g,"
+                    " kind => 'fault.call', destination => $2,"
+                    " payload => jsonb_build_object('n', g, 'pad', $6::text),"
+                    " eligible_at => now() - make_interval(secs => $4::float8"
+                    " - ($4::float8 - $5::float8) * g::float8 / $3::float8))"
+                    " = 'scheduled') FROM generate_series($7::int, $8::int) g",
+                    f"{prefix}-",
+                    self.destination,
+                    float(n),
+                    overdue_from_seconds,
+                    overdue_to_seconds,
+                    pad,
+                    start,
+                    stop,
+                )
+        self.jobs += done
+        return done
+
+    async def counts(self) -> dict[str, int]:
+        rows = await self.db().fetch(
+            "SELECT state, count(*) AS n FROM pacerd.jobs WHERE destination = $1 GROUP BY state",
+            self.destination,
+        )
+        return {r["state"]: r["n"] for r in rows}
+
+    async def wait_counts(
+        self, predicate: Callable[[dict[str, int]], bool], *, within: float
+    ) -> dict[str, int]:
+        """Polls the state counts (riding out a ledger that is down) until ``predicate``."""
+        with anyio.fail_after(within):
+            while True:
+                try:
+                    counts = await self.counts()
+                except DB_DOWN:
+                    counts = None
+                if counts is not None and (predicate(counts) or self.crash_looping()):
+                    return counts
+                await anyio.sleep(0.1)
+
+    async def counts_completed(self) -> int:
+        n = await self.db().fetchval(
+            "SELECT count(*) FROM pacerd.jobs WHERE destination = $1 AND state = 'completed'",
+            self.destination,
+        )
+        return int(n)
+
+    async def wait_completed(self, n: int, *, within: float) -> dict[str, int]:
+        return await self.wait_counts(lambda c: c.get("completed", 0) >= n, within=within)
+
+    # -- faults
+
+    @contextlib.asynccontextmanager
+    async def fault(self, kind: str, **detail: Any) -> AsyncIterator[Fault]:
+        record = Fault(kind=kind, started=time.time(), detail=dict(detail))
+        self.faults.append(record)
+        try:
+            yield record
+        finally:
+            record.ended = time.time()
+
+    async def stranded_claims(self, instance: str) -> list[tuple[str, int]]:
+        rows = await self.db().fetch(
+            "SELECT job_id, attempt FROM pacerd.jobs WHERE state = 'claimed' AND claimed_by = $1",
+            instance,
+        )
+        return [(r["job_id"], r["attempt"]) for r in rows]
+
+    async def claim_windows(self, instance: str) -> tuple[int, int]:
+        """For the claims of the last tick of ``instance`` (a killed daemon) that were
+        never marked offered: how many reached a worker (published, the daemon died
+        before mark-offered) and how many did not (claimed, never published). From
+        the ledger's history and the workers' logs, after the fact."""
+        rows = await self.db().fetch(
+            "WITH last AS (SELECT max(at) AS at FROM pacerd.job_events WHERE event = 'claimed'"
+            " AND detail->>'by' = $1)"
+            " SELECT c.job_id, c.attempt FROM pacerd.job_events c, last WHERE c.event = 'claimed'"
+            " AND c.detail->>'by' = $1 AND c.at = last.at AND NOT EXISTS (SELECT 1"
+            " FROM pacerd.job_events o WHERE o.job_id = c.job_id AND o.attempt = c.attempt"
+            " AND o.event = 'offered')",
+            instance,
+        )
+        delivered = {(c["job_id"], c["attempt"]) for c in self.call_log() if c.get("ev") == "start"}
+        delivered |= set(self.skipped_offers())
+        published = sum(1 for r in rows if (r["job_id"], r["attempt"]) in delivered)
+        return published, len(rows) - published
+
+    async def terminate_backends(self) -> int:
+        """``pg_terminate_backend`` of every session on this ledger but the harness's."""
+        rows = await self.db().fetch(
+            "SELECT pg_terminate_backend(pid) AS ok FROM pg_stat_activity"
+            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            " AND coalesce(application_name, '') <> $1",
+            HARNESS_APP,
+        )
+        return sum(1 for r in rows if r["ok"])
+
+    def publish_trigger(self, action: Callable[[], Awaitable[None]]) -> None:
+        """Arms the broker proxy: ``action`` runs before the next publish of ready
+        work is forwarded (once)."""
+        assert self.broker_proxy is not None
+        proxy = self.broker_proxy
+
+        async def hook(chunk: bytes) -> None:
+            if PUBLISH_FRAME in chunk:
+                proxy.on_client_chunk = None
+                await action()
+
+        proxy.on_client_chunk = hook
+
+    # -- reading the logs
+
+    def call_log(self) -> list[dict[str, Any]]:
+        calls = []
+        for w in self.workers:
+            if w.calls.exists():
+                for line in w.calls.read_text().splitlines():
+                    with contextlib.suppress(ValueError):
+                        calls.append(json.loads(line))
+        return calls
+
+    def skipped_offers(self) -> list[tuple[str, int]]:
+        return [
+            (str(e.get("job_id")), int(e.get("attempt") or 0))
+            for w in self.workers
+            for e in w.events("offer_not_current")
+        ]
+
+    def tick_logs(self) -> list[dict[str, Any]]:
+        ticks = []
+        for p in self.pacerds:
+            for e in p.events("tick_completed"):
+                if e.get("destination") == self.destination:
+                    e["instance"] = self.instance_of(p)
+                    ticks.append(e)
+        return ticks
+
+    # -- the audit
+
+    async def settle(self, *, within: float) -> bool:
+        """Waits until nothing is in flight and nothing is due or about to be (a
+        retry's backoff); jobs scheduled for later (the workload's own) may wait.
+        False when that did not happen in time."""
+        soon = self.knobs.backoff_cap_seconds + 2.0
+        with anyio.move_on_after(within):
+            while True:
+                try:
+                    row = await self.db().fetchrow(
+                        "SELECT count(*) FILTER (WHERE state IN ('claimed', 'offered')) AS busy,"
+                        " count(*) FILTER (WHERE state = 'scheduled' AND next_attempt_at"
+                        " <= now() + make_interval(secs => $2)) AS due"
+                        " FROM pacerd.jobs WHERE destination = $1",
+                        self.destination,
+                        soon,
+                    )
+                except DB_DOWN:
+                    row = None
+                if row is not None and row["busy"] == 0 and row["due"] == 0:
+                    return True
+                if self.crash_looping():
+                    return False
+                await anyio.sleep(0.2)
+        return False
+
+    def crash_looping(self) -> bool:
+        """More crashes than the scenario allows, by ``crash_loop_after``: waiting
+        longer is pointless."""
+        return len(self.crashes) > self.crashes_allowed + self.crash_loop_after
+
+    async def audit(
+        self,
+        scenario: str,
+        *,
+        within: float,
+        bounds: Bounds | None = None,
+        superseded_keys: Sequence[str] = (),
+        expect_healthy: Sequence[PacerdProc] | None = None,
+    ) -> Audit:
+        bounds = bounds or Bounds()
+        settled = await self.settle(within=within)
+        db = self.db()
+        notes = []
+        if not settled:
+            notes.append(
+                "stopped waiting: more crashes than the scenario allows"
+                if self.crash_looping()
+                else f"did not settle within {within:.0f} s"
+            )
+        if (cadence := self.tick_cadence()) is not None:
+            notes.append(
+                f"busy ticks every {cadence:.2f} s (median; tick_seconds {self.knobs.tick_seconds})"
+            )
+        states = await self.counts()
+        present = sum(states.values())
+        row = await db.fetchrow(
+            "SELECT count(*) FILTER (WHERE state IN ('claimed', 'offered')) AS stuck,"
+            " count(*) FILTER (WHERE state = 'scheduled' AND next_attempt_at <= now()) AS due,"
+            " count(*) FILTER (WHERE state = 'scheduled' AND next_attempt_at > now()) AS future,"
+            " count(*) FILTER (WHERE state = 'dead') AS dead,"
+            " count(*) FILTER (WHERE state = 'dead' AND coalesce(last_error, '') = '' AND"
+            "   NOT EXISTS (SELECT 1 FROM pacerd.job_events e WHERE e.job_id = j.job_id"
+            "   AND e.event = 'dead' AND e.detail ? 'reason')) AS dead_bare"
+            " FROM pacerd.jobs j WHERE destination = $1",
+            self.destination,
+        )
+        assert row is not None
+        # Side effects: the upstream's record of accepted keys, against the ledger.
+        keys = self.upstream.model.keys
+        completed = await db.fetch(
+            "SELECT job_id, revision FROM pacerd.jobs WHERE destination = $1"
+            " AND state = 'completed'",
+            self.destination,
+        )
+        without_effect = sum(1 for r in completed if f"{r['job_id']}@r{r['revision']}" not in keys)
+        completions = await db.fetch(
+            "SELECT e.detail->'detail'->>'key' AS key, min(e.at) AS at FROM pacerd.job_events e"
+            " JOIN pacerd.jobs j USING (job_id) WHERE j.destination = $1"
+            " AND e.event = 'completed' GROUP BY 1",
+            self.destination,
+        )
+        completed_at = {r["key"]: _epoch(r["at"]) for r in completions if r["key"]}
+        calls = self.call_log()
+        accepted = [c for c in calls if c.get("ev") == "called" and c.get("status") == 200]
+        starts = {
+            (c["key"], c["job_id"], c["attempt"], c["pid"]): c["t"]
+            for c in calls
+            if c.get("ev") == "start"
+        }
+        dup_effects = 0
+        for c in accepted:
+            done = completed_at.get(c["key"])
+            began = starts.get((c["key"], c["job_id"], c["attempt"], c["pid"]), c["t"])
+            if done is not None and began > done + 0.001:
+                dup_effects += 1
+        superseded = sum(keys.get(k, 0) for k in superseded_keys)
+        # Offers: every delivery the workers saw (handler runs and skipped stale
+        # offers) beyond the one each applied outcome asks for.
+        deliveries: Counter[str] = Counter(c["job_id"] for c in calls if c.get("ev") == "start")
+        for job_id, _attempt in self.skipped_offers():
+            deliveries[job_id] += 1
+        returns = await db.fetch(
+            "SELECT e.job_id, count(*) AS n FROM pacerd.job_events e JOIN pacerd.jobs j"
+            " USING (job_id) WHERE j.destination = $1"
+            " AND e.event IN ('refused', 'rescheduled', 'continued', 'revised') GROUP BY 1",
+            self.destination,
+        )
+        expected = {r["job_id"]: 1 + r["n"] for r in returns}
+        dup_offers = sum(max(0, n - expected.get(j, 1)) for j, n in deliveries.items())
+        over, ticks_logged, groups, worst = await self._budget_audit()
+        if worst is not None:
+            notes.append(f"over budget: {worst}")
+        seconds = self.upstream.model.seconds(self.upstream.clock.monotonic())
+        peak = max((s.accepted + s.refused + s.errors for s in seconds), default=0)
+        refused = sum(s.refused for s in seconds)
+        recovery = await self._recovery()
+        unhealthy = []
+        for p in self.live_pacerds() if expect_healthy is None else expect_healthy:
+            status = 0
+            with anyio.move_on_after(10):  # a daemon restarted a moment ago gets to start
+                while p.alive and (status := await p.healthz()) != 200:
+                    await anyio.sleep(0.2)
+            if not p.alive or status != 200:
+                unhealthy.append(f"{p.name} /healthz {status} (alive: {p.alive})")
+        return Audit(
+            scenario=scenario,
+            jobs=self.jobs,
+            faults=list(self.faults),
+            states=states,
+            missing=max(0, self.jobs - present),
+            stuck=row["stuck"],
+            due_left=row["due"],
+            future=row["future"],
+            dead=row["dead"],
+            dead_without_reason=row["dead_bare"],
+            completed_without_effect=without_effect,
+            replays=self.upstream.model.duplicates,
+            dup_effects=dup_effects,
+            superseded_executed=superseded,
+            dup_offers=dup_offers,
+            deliveries=sum(deliveries.values()),
+            max_over_budget=over,
+            ticks_logged=ticks_logged,
+            claim_groups=groups,
+            upstream_capacity=self.capacity,
+            upstream_peak=peak,
+            upstream_refused=refused,
+            recovery_seconds=recovery,
+            unhealthy=unhealthy,
+            crashes=list(self.crashes),
+            bounds=bounds,
+            notes=notes,
+            elapsed_seconds=time.time() - self.started_at,
+        )
+
+    def tick_cadence(self) -> float | None:
+        """The median time between two consecutive ticks of one pacerd that both
+        claimed work (the loop's real period under load)."""
+        by_instance: dict[str, list[float]] = defaultdict(list)
+        for t in self.tick_logs():
+            if int(t.get("claimed") or 0) > 0 and "timestamp" in t:
+                stamp = dt.datetime.fromisoformat(t["timestamp"]).timestamp()
+                by_instance[t["instance"]].append(stamp)
+        gaps = sorted(
+            b - a for stamps in by_instance.values() for a, b in itertools.pairwise(stamps)
+        )
+        return gaps[len(gaps) // 2] if gaps else None
+
+    async def _budget_audit(self) -> tuple[int, int, int, str | None]:
+        """Per tick (debug ``tick_completed`` logs): claimed - budget. Per one-second
+        window of the ledger's claims (every instance together): claims - (the
+        highest rate logged around it x (1 s + two ticks) + 1: a tick's budget
+        covers at most two ticks of elapsed time, plus less than one of credit;
+        twice that rate, at most ``max_rate``, where a tick never logged its rate
+        (killed mid-tick: in slow start the rate may have doubled); plus a tick's
+        budget for each tick that failed after claiming, which the next tick does
+        not know about). Returns the worst excess, the ticks logged, the claim groups, and what the
+        worst window held when it went over."""
+        ticks = self.tick_logs()
+        over = max((int(t["claimed"]) - int(t["budget"]) for t in ticks), default=0)
+        worst: str | None = None
+        if over > 0:
+            bad = max(ticks, key=lambda t: int(t["claimed"]) - int(t["budget"]))
+            worst = f"a tick claimed {bad['claimed']} of a budget of {bad['budget']}: {bad}"
+        rows = await self.db().fetch(
+            "SELECT e.at, e.detail->>'by' AS by, count(*) AS n FROM pacerd.job_events e"
+            " JOIN pacerd.jobs j USING (job_id) WHERE j.destination = $1 AND e.event = 'claimed'"
+            " GROUP BY 1, 2 ORDER BY 1",
+            self.destination,
+        )
+        groups = [(_epoch(r["at"]), int(r["n"]), str(r["by"])) for r in rows]
+        rates = sorted(
+            (dt.datetime.fromisoformat(t["timestamp"]).timestamp(), float(t["rate"]))
+            for t in ticks
+            if "timestamp" in t
+        )
+        logged = {
+            (
+                t["instance"],
+                int(t["claimed"]),
+                dt.datetime.fromisoformat(t["timestamp"]).timestamp(),
+            )
+            for t in ticks
+            if "timestamp" in t and int(t["claimed"]) > 0
+        }
+
+        def unlogged(at: float, n: int, by: str) -> bool:
+            """A claim whose tick never logged (killed or failed mid-tick)."""
+            return not any(i == by and c == n and at <= t <= at + 5 for i, c, t in logged)
+
+        failed = sorted(
+            dt.datetime.fromisoformat(e["timestamp"]).timestamp()
+            for p in self.pacerds
+            for e in p.events("tick_failed")
+            if e.get("destination") == self.destination and "timestamp" in e
+        )
+        k = self.knobs
+        window = 1.0
+        j = 0
+        for i, (t0, _n, _by) in enumerate(groups):
+            while groups[j][0] < t0 - window + 1e-9:
+                j += 1
+            held = groups[j : i + 1]
+            claims = sum(n for _t, n, _b in held)
+            near = [r for t, r in rates if t0 - window - 1.0 <= t <= t0 + 1.0]
+            rate = max(near, default=k.max_rate)
+            if any(unlogged(*g) for g in held):
+                # Its rate was never logged: it may have grown since (slow start doubles it).
+                rate = min(k.max_rate, 2.0 * rate)
+            allowance = math.ceil(rate * (window + 2 * k.tick_seconds)) + 1
+            # A tick that failed after its claim (the ledger went away before its state
+            # was saved) is not charged: the next tick starts from the last saved state.
+            uncharged = sum(1 for t in failed if t0 - window - 1.0 <= t <= t0)
+            allowance += uncharged * (math.ceil(rate * 2 * k.tick_seconds) + 1)
+            if claims - allowance > over:
+                over = claims - allowance
+                shown = [(round(t - t0, 3), n, b) for t, n, b in held]
+                worst = (
+                    f"{claims} claims in the second before {t0:.3f} (allowance {allowance} at"
+                    f" rate {rate:.1f}): {shown}"
+                )
+        return max(0, over), len(ticks), len(groups), worst
+
+    async def _recovery(self) -> float | None:
+        """The longest time, over the faults, from a fault's end to the completion
+        of a job claimed after it (progress again)."""
+        worst: float | None = None
+        for f in self.faults:
+            if f.ended is None:
+                continue
+            at = await self.db().fetchval(
+                "SELECT min(c.at) FROM pacerd.job_events c JOIN pacerd.jobs j USING (job_id)"
+                " WHERE j.destination = $1 AND c.event = 'completed' AND EXISTS ("
+                "   SELECT 1 FROM pacerd.job_events e WHERE e.job_id = c.job_id"
+                "   AND e.event = 'claimed' AND e.attempt = c.attempt AND e.at >= $2)",
+                self.destination,
+                dt.datetime.fromtimestamp(f.ended, dt.UTC),
+            )
+            if at is None:
+                continue
+            seconds = max(0.0, _epoch(at) - f.ended)
+            f.detail["recovery_seconds"] = round(seconds, 2)
+            worst = seconds if worst is None else max(worst, seconds)
+        return worst
+
+
+# -- samplers ----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Sample:
+    t: float
+    oldest_due_age: float | None
+    due: int
+    inflight: int
+    tick: str = ""  # the tick that triggered it: instance, budget, claimed
+    claimed: int = -1  # what that tick claimed (-1: not sampled on a tick)
+
+
+async def _sample(rig: Rig, out: list[Sample], tick: str = "", claimed: int = -1) -> None:
+    row = await rig.db().fetchrow(
+        "SELECT extract(epoch FROM now() - min(next_attempt_at) FILTER (WHERE"
+        " state = 'scheduled' AND next_attempt_at <= now()))::float8 AS age,"
+        " count(*) FILTER (WHERE state = 'scheduled' AND next_attempt_at <= now()) AS due,"
+        " count(*) FILTER (WHERE state IN ('claimed', 'offered')) AS inflight"
+        " FROM pacerd.jobs WHERE destination = $1",
+        rig.destination,
+    )
+    assert row is not None
+    out.append(Sample(time.time(), row["age"], row["due"], row["inflight"], tick, claimed))
+
+
+async def sample_forever(rig: Rig, out: list[Sample], every: float) -> None:
+    """Oldest-due age (as ``pacerd status`` reports it: the oldest due job still
+    scheduled), due and in flight, every ``every`` seconds of wall time."""
+    while True:
+        await _sample(rig, out)
+        await anyio.sleep(every)
+
+
+async def sample_every_tick(rig: Rig, out: list[Sample]) -> None:
+    """The same, once after every admission tick of whichever pacerd leads the
+    destination (each ``tick_completed`` line that was not skipped)."""
+    offsets: dict[str, int] = {}
+    while True:
+        ticked, claimed = "", -1
+        for p in rig.pacerds:
+            with contextlib.suppress(OSError):
+                with p.log.open("rb") as f:
+                    f.seek(offsets.get(p.name, 0))
+                    data = f.read()
+                end = data.rfind(b"\n") + 1
+                offsets[p.name] = offsets.get(p.name, 0) + end
+                for line in data[:end].splitlines():
+                    if b'"tick_completed"' in line and rig.destination.encode() in line:
+                        with contextlib.suppress(ValueError):
+                            doc = json.loads(line)
+                            if doc.get("skipped") is None:
+                                ticked = f"{p.name} budget {doc['budget']} claimed {doc['claimed']}"
+                                claimed = int(doc["claimed"])
+        if ticked:
+            await _sample(rig, out, ticked, claimed)
+        await anyio.sleep(0.01)
+
+
+def rises(samples: Sequence[Sample], *, tolerance: float = 0.0) -> list[tuple[float, float]]:
+    """(time, rise) wherever the oldest-due age went up between two samples.
+
+    With samples taken after each tick: when a tick ends late the next one starts
+    at once, so the sample after a tick can already see the next tick's claims;
+    the sample after that next tick then sees no new claim. Such a pair (the due
+    count unchanged, the later tick having claimed, the rise no more than the
+    time between the samples) is the sampling race, not a rise of the age."""
+    out = []
+    aged = [(s, s.oldest_due_age) for s in samples if s.oldest_due_age is not None]
+    for (a, age_a), (b, age_b) in itertools.pairwise(aged):
+        rise = age_b - age_a
+        if rise <= tolerance:
+            continue
+        raced = b.due == a.due and b.claimed > 0 and rise <= (b.t - a.t) + 0.05
+        if not raced:
+            out.append((b.t, rise))
+    return out
+
+
+def concurrency(calls: Sequence[Mapping[str, Any]]) -> int:
+    """Most upstream calls in progress at once, from the workers' call logs."""
+    edges: dict[tuple[Any, ...], list[float]] = defaultdict(list)
+    for c in calls:
+        edges[(c["pid"], c["job_id"], c["attempt"])].append(float(c["t"]))
+    events = []
+    for times in edges.values():
+        if len(times) >= 2:
+            events += [(min(times), 1), (max(times), -1)]
+    level = peak = 0
+    for _t, d in sorted(events):
+        level += d
+        peak = max(peak, level)
+    return peak
+
+
+def keep_logs(rig: Rig, destination: Path) -> None:
+    """Copies the run's logs (for a failing test or the benchmark's record)."""
+    shutil.copytree(rig.workdir / "logs", destination, dirs_exist_ok=True)
