@@ -47,7 +47,8 @@ def _short(frame: str) -> str:
     if not match:
         return frame.strip()
     path = match["file"]
-    for marker in ("site-packages/", "/work/main/", "lib/python3.11/"):
+    repo = str(Path(__file__).resolve().parent.parent) + "/"
+    for marker in ("site-packages/", repo, "lib/python3.11/"):
         if marker in path:
             path = path.split(marker, 1)[1]
     return f"{match['func']} ({path})"
