@@ -4,7 +4,7 @@ rows that this script creates and drops itself.
 
     .venv/bin/python bench/claim.py                        # 10k and 1M rows, ~5 minutes
     .venv/bin/python bench/claim.py --rows 1000000 --batch 500
-    .venv/bin/python bench/claim.py --rows 10000 --statement proposed --no-plans
+    .venv/bin/python bench/claim.py --rows 10000 --no-plans
 
 For every backlog size and batch size it prints rows/s, and p50/p99 of the
 per-batch latency (claim + confirm, and the claim alone), and for a batch of
@@ -12,9 +12,7 @@ per-batch latency (claim + confirm, and the claim alone), and for a batch of
 runs as the tick runs it: a live share of a fifth reserved (unused here: the
 backlog is all overdue), a 60 s live window, oldest first.
 
-``--statement`` picks the claim statement: ``current`` (``queries.sql``),
-``proposed`` (the rewrite below, which bounds the index scans by ``now`` and
-joins the UPDATE through the primary key), or ``both``.
+The statement is the daemon's own ``claim_due`` from ``queries.sql``.
 
 Each (size, batch) run claims at most ``--max-batches`` batches or
 ``--max-seconds`` seconds, whichever comes first; the claimed rows are then
@@ -39,67 +37,6 @@ ADMIN_DSN = os.environ.get("BENCH_ADMIN_DSN", "postgresql://postgres@127.0.0.1:5
 DESTINATION = "bench"
 LIVE_WINDOW_SECONDS = 60.0
 PLAN_BATCH = 500
-
-# queries.sql claim_due with `now` as a stable expression instead of a joined
-# CTE (so it bounds both index scans) and the UPDATE joined through the
-# primary key (so it never hash-joins a sequential scan). Same parameters,
-# same result.
-PROPOSED_CLAIM_DUE = """
-WITH live AS (
-    SELECT j.job_id, j.next_attempt_at
-    FROM pacerd.jobs j
-    WHERE j.destination = $1 AND j.state = 'scheduled'
-      AND j.next_attempt_at <= coalesce($7::timestamptz, now())
-      AND j.next_attempt_at > coalesce($7::timestamptz, now()) - make_interval(secs => $6)
-      AND NOT j.ever_offered
-    ORDER BY j.next_attempt_at
-    LIMIT $3
-    FOR UPDATE OF j SKIP LOCKED
-), backlog AS (
-    SELECT j.job_id, j.next_attempt_at
-    FROM pacerd.jobs j
-    WHERE j.destination = $1 AND j.state = 'scheduled'
-      AND j.next_attempt_at <= coalesce($7::timestamptz, now())
-      AND (j.ever_offered
-           OR j.next_attempt_at <= coalesce($7::timestamptz, now()) - make_interval(secs => $6))
-    ORDER BY j.next_attempt_at
-    LIMIT $3
-    FOR UPDATE OF j SKIP LOCKED
-), shares AS (
-    SELECT least((SELECT count(*) FROM live),
-                 greatest($2::bigint, $3::bigint - (SELECT count(*) FROM backlog))) AS n_live
-), picked AS (
-    SELECT l.job_id, true AS live FROM (
-        SELECT job_id, row_number() OVER (ORDER BY next_attempt_at, job_id) AS rn FROM live
-    ) l, shares s WHERE l.rn <= s.n_live
-    UNION ALL
-    SELECT b.job_id, false AS live FROM (
-        SELECT job_id, row_number() OVER (ORDER BY next_attempt_at, job_id) AS rn FROM backlog
-    ) b, shares s WHERE b.rn <= $3::bigint - s.n_live
-), claimed AS (
-    UPDATE pacerd.jobs j SET
-        state = 'claimed',
-        attempt = j.attempt + 1,
-        lease_expires_at = coalesce($7::timestamptz, now()) + make_interval(secs => $4),
-        admit_epoch = $5,
-        claimed_by = $8,
-        updated_at = coalesce($7::timestamptz, now())
-    FROM picked
-    WHERE j.job_id = ANY (ARRAY(SELECT job_id FROM picked)) AND j.job_id = picked.job_id
-    RETURNING j.job_id, j.kind, j.destination, j.attempt, j.revision, j.payload, j.cursor,
-              j.next_attempt_at, picked.live
-), events AS (
-    INSERT INTO pacerd.job_events (job_id, attempt, event, at, detail)
-    SELECT c.job_id, c.attempt, 'claimed', coalesce($7::timestamptz, now()),
-           jsonb_build_object('lane', CASE WHEN c.live THEN 'live' ELSE 'backlog' END,
-                              'by', $8::text, 'epoch', $5::bigint)
-    FROM claimed c
-)
-SELECT job_id, kind, destination, attempt, revision, payload::text AS payload,
-       cursor::text AS cursor, next_attempt_at, live
-FROM claimed
-ORDER BY next_attempt_at, job_id
-"""
 
 
 def dsn_for(database: str) -> str:
@@ -244,19 +181,11 @@ async def bench_size(args: argparse.Namespace, rows: int) -> list[str]:
         try:
             seconds = await seed(conn, rows)
             print(f"\n== {rows:,} due rows (seeded in {seconds:.1f} s) ==", flush=True)
-            current = led.queries["claim_due"]
-            variants = {
-                "current": current.sql,
-                "proposed": PROPOSED_CLAIM_DUE.strip(),
-            }
-            chosen = list(variants) if args.statement == "both" else [args.statement]
-            for variant in chosen:
-                led.queries["claim_due"] = ledger.Query(
-                    name="claim_due", description=current.description, sql=variants[variant]
-                )
-                plan, buffers, ms = await explain(conn, variants[variant], PLAN_BATCH)
+            sql = led.queries["claim_due"].sql
+            for variant in ("claim_due",):
+                plan, buffers, ms = await explain(conn, sql, PLAN_BATCH)
                 summary = (
-                    f"{rows:>9,} rows  {variant:8s}  EXPLAIN batch {PLAN_BATCH}:"
+                    f"{rows:>9,} rows  {variant:9s}  EXPLAIN batch {PLAN_BATCH}:"
                     f" {buffers:,} buffers, {ms:.1f} ms"
                 )
                 print(summary, flush=True)
@@ -269,7 +198,7 @@ async def bench_size(args: argparse.Namespace, rows: int) -> list[str]:
                     )
                     await reset(conn)
                     line = (
-                        f"{rows:>9,} rows  {variant:8s}  batch {batch:>5}:"
+                        f"{rows:>9,} rows  {variant:9s}  batch {batch:>5}:"
                         f" {result['rows_per_s']:>9,.0f} rows/s"
                         f"  p50 {result['p50_ms']:7.1f} ms  p99 {result['p99_ms']:7.1f} ms"
                         f"  (claim alone p50 {result['claim_p50_ms']:7.1f}"
@@ -293,7 +222,6 @@ async def main() -> None:
         "--rows", type=int, nargs="+", default=[10_000, 1_000_000], help="backlog sizes"
     )
     parser.add_argument("--batch", type=int, nargs="+", default=[100, 500, 1000])
-    parser.add_argument("--statement", choices=["current", "proposed", "both"], default="both")
     parser.add_argument("--max-batches", type=int, default=200, help="per (size, batch) run")
     parser.add_argument("--max-seconds", type=float, default=20.0, help="per (size, batch) run")
     parser.add_argument("--no-plans", dest="plans", action="store_false", help="no full plans")
