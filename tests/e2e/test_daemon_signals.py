@@ -11,8 +11,8 @@ import uuid
 from typing import TYPE_CHECKING
 
 import anyio
-import asyncpg
 import pytest
+from ha_helpers import schedule_backlog, state_counts
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -98,44 +98,22 @@ def pacerd_proc(tmp_path: Path) -> Iterator[list[Pacerd]]:
         proc.kill()
 
 
-async def _schedule(dsn: str, destination: str, n: int) -> None:
-    conn = await asyncpg.connect(dsn)
-    try:
-        await conn.execute(
-            "SELECT pacerd.schedule($1 || '-' || g, 'e2e', $1, '{}'::jsonb,"
-            " now() - interval '1 minute') FROM generate_series(1, $2) g",
-            destination,
-            n,
-        )
-    finally:
-        await conn.close()
-
-
-async def _counts(dsn: str) -> dict[str, int]:
-    conn = await asyncpg.connect(dsn)
-    try:
-        rows = await conn.fetch("SELECT state, count(*) AS n FROM pacerd.jobs GROUP BY state")
-        return {r["state"]: r["n"] for r in rows}
-    finally:
-        await conn.close()
-
-
 async def test_sigterm_mid_drain_exits_0_with_no_job_left_claimed(
     db_dsn: str, amqp_url: str, tmp_path: Path, pacerd_proc: list[Pacerd]
 ) -> None:
     destination = f"e2e-{uuid.uuid4().hex[:8]}"
-    await _schedule(db_dsn, destination, 5000)
+    await schedule_backlog(db_dsn, destination, 5000)
     proc = Pacerd(
         _config(tmp_path / "c.toml", db_dsn, rate=2000, amqp_url=amqp_url), tmp_path / "log"
     )
     pacerd_proc.append(proc)
     await proc.wait_log('"pacerd_ready"')
     with anyio.fail_after(20):
-        while (await _counts(db_dsn)).get("offered", 0) < 200:
+        while (await state_counts(db_dsn)).get("offered", 0) < 200:
             await anyio.sleep(0.05)
     proc.send(signal.SIGTERM)
     assert await proc.wait_exit(within=20) == 0
-    counts = await _counts(db_dsn)
+    counts = await state_counts(db_dsn)
     assert counts.get("claimed", 0) == 0, counts
     assert sum(counts.values()) == 5000
     assert 0 < counts.get("offered", 0) < 5000
@@ -145,7 +123,7 @@ async def test_second_sigterm_exits_promptly(
     db_dsn: str, amqp_url: str, tmp_path: Path, pacerd_proc: list[Pacerd]
 ) -> None:
     destination = f"e2e-{uuid.uuid4().hex[:8]}"
-    await _schedule(db_dsn, destination, 200)
+    await schedule_backlog(db_dsn, destination, 200)
     proc = Pacerd(
         _config(tmp_path / "c.toml", db_dsn, rate=50, amqp_url=amqp_url), tmp_path / "log"
     )
@@ -154,32 +132,34 @@ async def test_second_sigterm_exits_promptly(
     proc.send(signal.SIGTERM)
     proc.send(signal.SIGTERM)
     assert await proc.wait_exit(within=5) == 0
-    assert (await _counts(db_dsn)).get("claimed", 0) == 0
+    assert (await state_counts(db_dsn)).get("claimed", 0) == 0
 
 
 async def test_sigusr1_pauses_admission_and_sigusr2_resumes_it(
     db_dsn: str, amqp_url: str, tmp_path: Path, pacerd_proc: list[Pacerd]
 ) -> None:
     destination = f"e2e-{uuid.uuid4().hex[:8]}"
-    await _schedule(db_dsn, destination, 3000)
+    await schedule_backlog(db_dsn, destination, 3000)
     proc = Pacerd(
         _config(tmp_path / "c.toml", db_dsn, rate=100, amqp_url=amqp_url), tmp_path / "log"
     )
     pacerd_proc.append(proc)
     await proc.wait_log('"pacerd_ready"')
     with anyio.fail_after(20):
-        while (await _counts(db_dsn)).get("offered", 0) < 20:
+        while (await state_counts(db_dsn)).get("offered", 0) < 20:
             await anyio.sleep(0.05)
     proc.send(signal.SIGUSR1)
     await proc.wait_log('"admission_paused_locally"')
     await anyio.sleep(0.5)  # one tick (0.2 s) for the pause to take effect, plus margin
-    paused_at = (await _counts(db_dsn)).get("offered", 0)
+    paused_at = (await state_counts(db_dsn)).get("offered", 0)
     await anyio.sleep(1.5)
-    assert (await _counts(db_dsn)).get("offered", 0) == paused_at, "offers continued while paused"
+    assert (await state_counts(db_dsn)).get("offered", 0) == paused_at, (
+        "offers continued while paused"
+    )
     proc.send(signal.SIGUSR2)
     await proc.wait_log('"admission_resumed_locally"')
     with anyio.fail_after(10):
-        while (await _counts(db_dsn)).get("offered", 0) <= paused_at:
+        while (await state_counts(db_dsn)).get("offered", 0) <= paused_at:
             await anyio.sleep(0.05)
     proc.send(signal.SIGTERM)
     assert await proc.wait_exit(within=20) == 0
@@ -189,16 +169,16 @@ async def test_sighup_applies_a_new_rate_and_keeps_running_on_an_invalid_file(
     db_dsn: str, amqp_url: str, tmp_path: Path, pacerd_proc: list[Pacerd]
 ) -> None:
     destination = f"e2e-{uuid.uuid4().hex[:8]}"
-    await _schedule(db_dsn, destination, 20000)
+    await schedule_backlog(db_dsn, destination, 20000)
     config = _config(tmp_path / "c.toml", db_dsn, rate=20, amqp_url=amqp_url)
     proc = Pacerd(config, tmp_path / "log")
     pacerd_proc.append(proc)
     await proc.wait_log('"pacerd_ready"')
 
     async def offered_rate(seconds: float) -> float:
-        before = (await _counts(db_dsn)).get("offered", 0)
+        before = (await state_counts(db_dsn)).get("offered", 0)
         await anyio.sleep(seconds)
-        return ((await _counts(db_dsn)).get("offered", 0) - before) / seconds
+        return ((await state_counts(db_dsn)).get("offered", 0) - before) / seconds
 
     slow = await offered_rate(2.0)
     assert slow < 60, slow
