@@ -20,7 +20,7 @@ import anyio
 import structlog
 
 from pacerd import pacer
-from pacerd.errors import BrokerUnavailable, LedgerError, PacerdError, PublishError
+from pacerd.errors import BrokerUnavailable, LedgerError, PacerdError, PublishTimeout
 
 if TYPE_CHECKING:
     import datetime as dt
@@ -28,13 +28,23 @@ if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
     from pacerd.clock import Clock
+    from pacerd.errors import PublishError
     from pacerd.models import ClaimedJob, DestinationRow, JobRef
     from pacerd.publisher import Publisher
+
+    PlanFn = Callable[..., tuple[pacer.PacerState, pacer.TickPlan]]
+    """A control law: ``pacer.plan_tick``'s signature (the bench swaps in a baseline)."""
 
 log = structlog.get_logger("pacerd.admission")
 
 MAX_SLICES_PER_TICK = 50  # sub-tick pacing granularity: at most 50 release points a tick
+MARKS_PER_TICK = 5  # mark-offered statements a tick, off the release schedule
 CLOSED_CHECK_SECONDS = 0.25  # mid-tick look at the destination's pause and cool-down
+# After a tick lost the broker or timed out on confirms, admission skips ticks
+# for a backoff (doubling up to the maximum), then probes with one job: a
+# blocked or restarting broker is not fed a tick's budget every tick.
+BROKER_BACKOFF_MIN_SECONDS = 0.5
+BROKER_BACKOFF_MAX_SECONDS = 8.0
 
 
 class AdmissionLedger(Protocol):
@@ -78,8 +88,11 @@ class TickObserver(Protocol):
 
     def claim_span(self, destination: str, *, limit: int) -> AbstractContextManager[Any]: ...
 
-    def publish_span(self, job: ClaimedJob) -> AbstractContextManager[dict[str, str]]:
-        """Around one publish; yields the headers carrying its trace context."""
+    def publish_span(
+        self, destination: str, jobs: Sequence[ClaimedJob]
+    ) -> AbstractContextManager[dict[str, str]]:
+        """Around the publish of one release slice; yields the headers carrying
+        its trace context (every message of the slice carries them)."""
         ...
 
     def mark_offered_span(self, destination: str, *, count: int) -> AbstractContextManager[Any]: ...
@@ -132,6 +145,7 @@ class _Publishing:
     failed: list[JobRef] = field(default_factory=list)
     marked: int = 0
     broker_down: bool = False
+    timed_out: bool = False
     stopped: bool = False
     closed: bool = False
 
@@ -168,6 +182,7 @@ class DestinationAdmission:
         config: AdmissionConfig,
         observer: TickObserver | None = None,
         is_paused_locally: Callable[[], bool] = lambda: False,
+        law: PlanFn = pacer.plan_tick,
     ) -> None:
         self.ledger = ledger
         self.publisher = publisher
@@ -175,9 +190,13 @@ class DestinationAdmission:
         self.config = config
         self.observer = observer
         self.is_paused_locally = is_paused_locally
+        self.law = law
         self.state: pacer.PacerState | None = None
+        self.next_deadline: float | None = None  # the last plan's, for run_destination
         self._previous_row: DestinationRow | None = None
         self._demand: pacer.Demand | None = None
+        self._broker_backoff = 0.0
+        self._broker_retry_at: float | None = None
         self.stop: anyio.Event | None = None
         self._reset_requested = False
 
@@ -186,6 +205,13 @@ class DestinationAdmission:
         instance later, resumes from what the ledger holds. Takes effect at
         the start of the next tick, never in the middle of one."""
         self._reset_requested = True
+        self.next_deadline = None
+
+    def forget_window(self) -> None:
+        """After a failed tick: keep the pacer (its rate and cut stand; what
+        the tick claimed and published is still charged to it), but measure
+        the next window afresh and claim no demand for the failed tick."""
+        self._previous_row, self._demand, self.next_deadline = None, None, None
 
     def update_config(self, config: AdmissionConfig) -> None:
         self.config = config
@@ -213,7 +239,9 @@ class DestinationAdmission:
         if self._reset_requested:
             self._reset_requested = False
             self.state, self._previous_row, self._demand = None, None, None
+            self._broker_backoff, self._broker_retry_at = 0.0, None
         now = self.clock.monotonic()
+        self.next_deadline = None
         row = await self.ledger.read_destination(dest)
         if row is None:
             return TickResult(destination=dest, skipped="unknown")
@@ -225,8 +253,10 @@ class DestinationAdmission:
             skipped = "paused_local"
         elif row.effectively_paused:
             skipped = "paused"
+        elif self._broker_retry_at is not None and now < self._broker_retry_at:
+            skipped = "broker_down"
         inflight = await self.ledger.count_inflight(dest)
-        state, plan = pacer.plan_tick(
+        state, plan = self.law(
             state,
             window,
             self._demand,
@@ -237,6 +267,7 @@ class DestinationAdmission:
             paused=skipped is not None,
         )
         self.state = state
+        self.next_deadline = plan.next_deadline
         if skipped is None and plan.cooldown:
             skipped = "cooldown"
         claimed: list[ClaimedJob] = []
@@ -246,18 +277,21 @@ class DestinationAdmission:
             # Shadow mode: every decision is computed and reported; nothing is claimed.
             would_admit = await self.ledger.has_due(dest, at_least=plan.budget)
         elif skipped is None and plan.budget > 0:
-            with self._span("claim", dest, limit=plan.budget):
+            probing = self._broker_retry_at is not None  # one job, to see the broker take it
+            limit = 1 if probing else plan.budget
+            with self._span("claim", dest, limit=limit):
                 claimed = await self.ledger.claim_due(
                     dest,
-                    live_limit=plan.live_budget,
-                    limit=plan.budget,
+                    live_limit=min(plan.live_budget, limit),
+                    limit=limit,
                     claim_seconds=cfg.claim_seconds,
                     epoch=state.epoch,
                     live_window_seconds=cfg.params.live_window_seconds,
                     instance=cfg.instance,
                 )
             if claimed:
-                outcome = await self._publish_spread(claimed, plan)
+                outcome = await self._publish_spread(claimed, plan, started=now)
+                self._after_publishing(outcome)
         admitted = would_admit if cfg.shadow else len(claimed)
         self._demand = pacer.Demand(
             budget=plan.budget if skipped is None else 0,
@@ -307,55 +341,45 @@ class DestinationAdmission:
         return self.observer.mark_offered_span(destination, count=attributes["count"])
 
     async def _publish_spread(
-        self, claimed: Sequence[ClaimedJob], plan: pacer.TickPlan
+        self, claimed: Sequence[ClaimedJob], plan: pacer.TickPlan, *, started: float
     ) -> _Publishing:
         """Publishes the claimed jobs across the tick at the pacer's offsets
-        (live ones first), in at most ``MAX_SLICES_PER_TICK`` release points;
-        marks each slice's confirmed jobs offered as it completes; stops early
-        on shutdown or when the destination closes mid-tick (a Retry-After or a
-        pause reported meanwhile), and releases what it did not publish."""
+        from the tick's start (live ones first), in at most
+        ``MAX_SLICES_PER_TICK`` release slices, each one ``publish_many`` with
+        its confirms pipelined; a slice due while the claim ran goes at once.
+        Confirmed jobs are marked offered up to ``MARKS_PER_TICK`` times a
+        tick, off the release schedule (a slow mark never delays a release).
+        Stops early on shutdown or when the destination closes mid-tick (a
+        Retry-After or a pause reported meanwhile), and releases what it did
+        not publish."""
         outcome = _Publishing()
-        observer = self.observer
         jobs = sorted(claimed, key=lambda job: not job.live)  # live first, order kept
         offsets = pacer.publish_offsets(plan, sum(job.live for job in jobs), len(jobs))
-        grain = self.config.params.tick_seconds / MAX_SLICES_PER_TICK
+        tick = self.config.params.tick_seconds
+        grain = tick / MAX_SLICES_PER_TICK
         slices: list[tuple[float, list[ClaimedJob]]] = []
         for job, offset in zip(jobs, offsets, strict=True):
             at = math.floor(offset / grain) * grain
             if not slices or slices[-1][0] != at:
                 slices.append((at, []))
             slices[-1][1].append(job)
-        start = self.clock.monotonic()
-        next_check = start + CLOSED_CHECK_SECONDS
+        next_check = self.clock.monotonic() + CLOSED_CHECK_SECONDS
+        released = anyio.Event()
 
-        async def publish_one(job: ClaimedJob) -> None:
-            if outcome.broker_down:
-                outcome.failed.append(job.ref)
-                return
-            try:
-                if observer is None:
-                    await self.publisher.publish(job, {})
-                else:
-                    with observer.publish_span(job) as headers:
-                        await self.publisher.publish(job, headers)
-            except anyio.get_cancelled_exc_class():
-                outcome.failed.append(job.ref)  # released below, in the shielded finally
-                raise
-            except BrokerUnavailable:
-                outcome.broker_down = True
-                outcome.failed.append(job.ref)
-            except PublishError as exc:
-                log.warning(
-                    "publish_failed", job_id=job.job_id, attempt=job.attempt, error=str(exc)
+        async def mark_periodically() -> None:
+            while True:
+                await sleep_until_or_stop(
+                    self.clock, self.clock.monotonic() + tick / MARKS_PER_TICK, released
                 )
-                outcome.failed.append(job.ref)
-            else:
-                outcome.confirmed.append(job.ref)
+                if released.is_set():
+                    return  # the rest is marked once every slice has its confirms
+                await self._flush_confirmed(outcome)
 
         try:
             async with anyio.create_task_group() as tg:
+                tg.start_soon(mark_periodically)
                 for index, (at, group) in enumerate(slices):
-                    await self.clock.sleep_until(start + at)
+                    await self.clock.sleep_until(started + at)
                     if self.clock.monotonic() >= next_check:
                         next_check = self.clock.monotonic() + CLOSED_CHECK_SECONDS
                         row = await self.ledger.read_destination(self.config.destination)
@@ -367,10 +391,10 @@ class DestinationAdmission:
                         outcome.stopped = not outcome.closed
                         outcome.failed.extend(j.ref for _, rest in slices[index:] for j in rest)
                         break
-                    for job in group:
-                        tg.start_soon(publish_one, job)
-                    await self._flush_confirmed(outcome)
+                    tg.start_soon(self._publish_slice, group, outcome)
+                released.set()
         finally:
+            released.set()
             with anyio.CancelScope(shield=True):
                 await self._flush_confirmed(outcome, final=True)
                 if outcome.failed:
@@ -385,6 +409,63 @@ class DestinationAdmission:
                     )
                     await self.ledger.release_claims(outcome.failed, reason=reason)
         return outcome
+
+    async def _publish_slice(self, group: Sequence[ClaimedJob], outcome: _Publishing) -> None:
+        """Publishes one release slice and sorts its jobs into confirmed and
+        failed (cancelled: all failed, released by the caller)."""
+        if outcome.broker_down:
+            outcome.failed.extend(job.ref for job in group)
+            return
+        try:
+            if self.observer is None:
+                results = await self.publisher.publish_many(group, [{}] * len(group))
+            else:
+                with self.observer.publish_span(self.config.destination, group) as headers:
+                    results = await self.publisher.publish_many(group, [headers] * len(group))
+        except BaseException:
+            outcome.failed.extend(job.ref for job in group)
+            raise
+        first_error: PublishError | None = None
+        rejected = 0
+        for job, error in zip(group, results, strict=True):
+            if error is None:
+                outcome.confirmed.append(job.ref)
+                continue
+            outcome.failed.append(job.ref)
+            if isinstance(error, BrokerUnavailable):
+                outcome.broker_down = True
+            elif isinstance(error, PublishTimeout):
+                outcome.timed_out = True
+            else:
+                rejected += 1
+                first_error = first_error or error
+        if first_error is not None:
+            log.warning(
+                "publish_failed",
+                destination=self.config.destination,
+                count=rejected,
+                error=str(first_error),
+            )
+
+    def _after_publishing(self, outcome: _Publishing) -> None:
+        """Backs off the broker after a tick that lost it or timed out on its
+        confirms (the next ticks are skipped, then one job probes it); a tick
+        whose publishes were all confirmed ends the backoff."""
+        if outcome.broker_down or outcome.timed_out:
+            self._broker_backoff = min(
+                BROKER_BACKOFF_MAX_SECONDS,
+                max(BROKER_BACKOFF_MIN_SECONDS, 2 * self._broker_backoff),
+            )
+            self._broker_retry_at = self.clock.monotonic() + self._broker_backoff
+            log.warning(
+                "broker_backoff",
+                destination=self.config.destination,
+                seconds=self._broker_backoff,
+                cause="unavailable" if outcome.broker_down else "confirm_timeout",
+            )
+        elif outcome.confirmed and self._broker_retry_at is not None:
+            self._broker_backoff, self._broker_retry_at = 0.0, None
+            log.info("broker_recovered", destination=self.config.destination)
 
     async def _flush_confirmed(self, outcome: _Publishing, *, final: bool = False) -> None:
         """Marks the confirmations received since the last flush offered. If
@@ -411,10 +492,13 @@ async def run_destination(
     stop: anyio.Event | None = None,
     on_pass: Callable[[], None] | None = None,
 ) -> None:
-    """Runs ticks on the schedule (``last + tick_seconds``); missed ticks are
-    skipped, not replayed. A ``PacerdError`` in a pass is logged and the loop
-    continues; anything else ends the process. ``stop`` ends the loop after
-    the current tick (whose unpublished claims are released)."""
+    """Runs ticks on the pacer's schedule (each plan's ``next_deadline``: a
+    tick that ends late is followed at once by the next, whose budget and
+    spacing the pacer sizes for the time left; ticks missed entirely are
+    skipped, not replayed). A ``PacerdError`` in a pass is logged, the pacer
+    is kept and the loop continues; anything else ends the process. ``stop``
+    ends the loop after the current tick (whose unpublished claims are
+    released)."""
     clock = admission.clock
     stop = stop or anyio.Event()
     admission.stop = stop
@@ -425,13 +509,16 @@ async def run_destination(
                 await admission.run_once()
             except PacerdError as exc:
                 log.warning("tick_failed", destination=admission.config.destination, error=str(exc))
-                admission.reset()
+                admission.forget_window()
         else:
             admission.reset()
         if on_pass is not None:
             on_pass()
         tick = admission.config.params.tick_seconds
-        deadline = pacer.next_deadline(deadline, clock.monotonic(), tick)
+        if admission.next_deadline is not None:
+            deadline = admission.next_deadline
+        else:
+            deadline = pacer.next_deadline(deadline, clock.monotonic(), tick)
         await sleep_until_or_stop(clock, deadline, stop)
 
 

@@ -29,14 +29,14 @@ from pacerd.admission import AdmissionConfig, DestinationAdmission, TickResult, 
 from pacerd.clock import Clock, SystemClock
 from pacerd.errors import ConfigError, LedgerUnavailable, MigrationError, PacerdError
 from pacerd.outcomes import OutcomeConsumer, OutcomeResult
-from pacerd.publisher import Broker
+from pacerd.publisher import Broker, message_id
 from pacerd.reconciler import Reconciler, ReconcilerConfig, ReconcileResult
 from pacerd.sdnotify import Notifier, watchdog_interval_seconds
 from pacerd.signals import handle_signals
 from pacerd.telemetry import inject_traceparent
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Iterator, Sequence
 
     from pacerd.config import Config
     from pacerd.models import ClaimedJob, Report
@@ -73,12 +73,15 @@ class TelemetryObserver:
         return self.telemetry.claim_span(destination, limit=limit)
 
     @contextlib.contextmanager
-    def publish_span(self, job: ClaimedJob) -> Iterator[dict[str, str]]:
+    def publish_span(
+        self, destination: str, jobs: Sequence[ClaimedJob]
+    ) -> Iterator[dict[str, str]]:
         headers: dict[str, str] = {}
         if self.telemetry is None:
             yield headers
             return
-        with self.telemetry.publish_span(job.destination, job_id=job.job_id, attempt=job.attempt):
+        messages = [message_id(job.job_id, job.attempt) for job in jobs]
+        with self.telemetry.publish_span(destination, messages=messages):
             inject_traceparent(headers)
             yield headers
 

@@ -440,6 +440,9 @@ def _grow(state: PacerState, dt: float, accepted_rate: float, p: PacingParams) -
     return replace(state, rate=_clamp(rate, p), ladder=ladder)
 
 
+CATCH_UP = 1.25  # the most a late tick's budget may exceed the rate over its span
+
+
 def tick_budget(
     state: PacerState,
     *,
@@ -458,7 +461,9 @@ def tick_budget(
     cooldown = cooldown_remaining_s > 0
     budget, credit, capped = 0, 0.0, False
     if not (cooldown or paused):
-        raw = state.credit + state.rate * elapsed
+        # a late tick catches up on the time since the last one, but never
+        # releases faster than CATCH_UP x the rate over what is left of it
+        raw = state.credit + state.rate * min(elapsed, CATCH_UP * span)
         whole = math.floor(raw)
         credit, capped = raw - whole, whole > room
         budget = min(whole, room)

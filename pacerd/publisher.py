@@ -65,6 +65,14 @@ class Publisher(Protocol):
         PublishRejected (nack or unroutable), PublishTimeout or BrokerUnavailable."""
         ...
 
+    async def publish_many(
+        self, jobs: Sequence[ClaimedJob], headers: Sequence[Mapping[str, str]]
+    ) -> list[PublishError | None]:
+        """Publishes ``jobs`` with their confirms pipelined; returns, in order,
+        None for each confirmed message and the error ``publish`` would have
+        raised for each other one. Raises nothing but cancellation."""
+        ...
+
 
 def _properties(job: ClaimedJob, headers: Mapping[str, str]) -> aiormq.spec.Basic.Properties:
     return aiormq.spec.Basic.Properties(
@@ -110,6 +118,9 @@ def translate_errors() -> Iterator[None]:
         ConnectionError,
         OSError,
         RuntimeError,
+        # aiormq's frame reader ends with this when the socket closes during
+        # the handshake (a proxy or broker that accepts, then drops)
+        StopAsyncIteration,
     ) as exc:
         raise BrokerUnavailable(f"the broker cannot be reached: {exc!r}") from exc
 

@@ -470,21 +470,28 @@ class Telemetry:
         return self.span(SPAN_CLAIM, kind=SpanKind.CLIENT, attributes=attrs)
 
     def publish_span(
-        self, destination: str, *, job_id: str, attempt: int, exchange: str = READY_EXCHANGE
+        self, destination: str, *, messages: Sequence[str], exchange: str = READY_EXCHANGE
     ) -> AbstractContextManager[Span]:
-        """Around one publish; call ``inject_traceparent`` inside it for the headers."""
-        attrs: _Attributes = {
+        """Around the publish of one release slice (``messages``: the slice's
+        ``job_id:attempt`` message ids); call ``inject_traceparent`` inside it
+        for the headers every message of the slice carries."""
+        attrs: dict[str, AttributeValue | None] = {
             "messaging.system": "rabbitmq",
             "messaging.operation.type": "send",
             "messaging.operation.name": "publish",
             "messaging.destination.name": exchange,
             "messaging.rabbitmq.destination.routing_key": destination,
-            "messaging.message.id": f"{job_id}:{attempt}",
-            "messaging.message.conversation_id": job_id,
             "pacerd.destination": destination,
-            "pacerd.job_id": job_id,
-            "pacerd.attempt": attempt,
         }
+        if len(messages) == 1:
+            message_id = messages[0]
+            job_id, _, attempt = message_id.rpartition(":")
+            attrs["messaging.message.id"] = message_id
+            attrs["messaging.message.conversation_id"] = job_id
+            attrs["pacerd.job_id"] = job_id
+            attrs["pacerd.attempt"] = int(attempt) if attempt.isdigit() else attempt
+        else:
+            attrs["messaging.batch.message_count"] = len(messages)
         return self.span(SPAN_PUBLISH, kind=SpanKind.PRODUCER, attributes=attrs)
 
     def mark_offered_span(self, destination: str, *, count: int) -> AbstractContextManager[Span]:

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from pacerd import pacer
 from pacerd.pacer import (
+    CATCH_UP,
     Demand,
     OutcomeWindow,
     PacerState,
@@ -101,6 +102,18 @@ def test_missed_ticks_are_skipped_not_replayed() -> None:
     state, plan = run(state, dt=10.0)
     assert plan.budget <= 2 * 100
     assert plan.next_deadline > state.last_tick
+
+
+def test_a_late_tick_never_releases_faster_than_catch_up_times_the_rate() -> None:
+    state = at_ceiling(rate=100.0)
+    state, _ = run(state, dt=1.0)  # on schedule: the next deadline is one tick away
+    for late in (0.05, 0.3, 0.6, 0.95):
+        _, plan = run(state, dt=1.0 + late)  # started `late` after its deadline
+        span = plan.next_deadline - (state.last_tick + 1.0 + late)
+        assert plan.budget <= CATCH_UP * 100.0 * span + 1, (late, plan.budget, span)
+        assert plan.budget * plan.spacing_seconds <= span + 1e-9
+    _, plan = run(state, dt=1.02)  # slightly late: the whole elapsed time is caught up
+    assert 101 <= plan.budget <= 102  # (a fraction may stay as credit)
 
 
 def test_deadlines_follow_the_schedule() -> None:

@@ -109,7 +109,7 @@ def test_tick_span_with_children_and_attributes(harness: Harness) -> None:
     with tel.tick_span("mail"):
         with tel.claim_span("mail", limit=3):
             pass
-        with tel.publish_span("mail", job_id="job-1", attempt=3):
+        with tel.publish_span("mail", messages=["job-1:3"]):
             headers = inject_traceparent({})
         with tel.mark_offered_span("mail", count=1):
             pass
@@ -144,7 +144,7 @@ def test_tick_span_with_children_and_attributes(harness: Harness) -> None:
 
 def test_outcome_span_continues_the_trace_from_message_headers(harness: Harness) -> None:
     tel = harness.telemetry
-    with tel.publish_span("mail", job_id="job-1", attempt=1):
+    with tel.publish_span("mail", messages=["job-1:1"]):
         headers = {k: v.encode() for k, v in inject_traceparent({}).items()}  # AMQP bytes
     with tel.outcome_span(headers, job_id="job-1", attempt=1, outcome="ok"):
         tel.record_outcome("ok", "applied")
