@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
@@ -115,12 +116,24 @@ class InvalidEnvelope(ValueError):
         self.job_id, self.attempt = job_id, attempt
 
 
-def decode_ready(body: bytes, *, clock: Clock | None = None) -> Job:
-    """Decodes and validates a ready message; raises ``InvalidEnvelope``."""
+def decode_ready(
+    body: bytes,
+    *,
+    clock: Clock | None = None,
+    message_id: str | None = None,
+    correlation_id: str | None = None,
+) -> Job:
+    """Decodes and validates a ready message; raises ``InvalidEnvelope``.
+
+    ``message_id`` and ``correlation_id`` are the delivery's AMQP properties.
+    They are read only when the body is invalid: what the body does not say of
+    the attempt (all of it when the body cannot be decoded at all), they fill in,
+    so that the attempt can still be reported ``fail``."""
     try:
         doc = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise InvalidEnvelope(f"body is not JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # bytes or JSON Python cannot decode
+        reason = _undecodable(exc)
+        raise _invalid(reason, None, None, message_id, correlation_id) from None
     job_id, attempt = None, None
     if isinstance(doc, dict):
         raw_id, raw_attempt = doc.get("job_id"), doc.get("attempt")
@@ -135,12 +148,56 @@ def decode_ready(body: bytes, *, clock: Clock | None = None) -> Job:
         eligible_at = dt.datetime.fromisoformat(doc["eligible_at"])
     except ValueError as exc:
         reason = f"ready message does not follow ready.schema.json: {exc}"
-        raise InvalidEnvelope(reason, job_id=job_id, attempt=attempt) from None
+        raise _invalid(reason, job_id, attempt, message_id, correlation_id) from None
     return Job(
         job_id=doc["job_id"], kind=doc["kind"], destination=doc["destination"],
         attempt=doc["attempt"], revision=doc["revision"], payload=doc["payload"],
         cursor=doc["cursor"], eligible_at=eligible_at, clock=clock or SystemClock(),
     )  # fmt: skip
+
+
+def _undecodable(exc: ValueError | RecursionError) -> str:
+    if isinstance(exc, RecursionError):
+        return f"body could not be decoded: nested too deep ({exc})"
+    if isinstance(exc, UnicodeDecodeError | json.JSONDecodeError):
+        return f"body is not JSON: {exc}"
+    return f"body could not be decoded: {exc}"  # e.g. an integer past int_max_str_digits
+
+
+def _invalid(
+    reason: str,
+    job_id: str | None,
+    attempt: int | None,
+    message_id: str | None,
+    correlation_id: str | None,
+) -> InvalidEnvelope:
+    """The body's own ``job_id``/``attempt`` first; the properties fill in what
+    it lacks when they name one attempt that the body does not contradict."""
+    if job_id is None or attempt is None:
+        named = attempt_from_properties(message_id, correlation_id)
+        if named is not None and job_id in (None, named[0]) and attempt in (None, named[1]):
+            job_id, attempt = named
+    return InvalidEnvelope(reason, job_id=job_id, attempt=attempt)
+
+
+_ATTEMPT_DIGITS = re.compile(r"[1-9][0-9]{0,9}")
+
+
+def attempt_from_properties(
+    message_id: str | None, correlation_id: str | None
+) -> tuple[str, int] | None:
+    """``(job_id, attempt)`` from a ready message's properties (DESIGN.md,
+    "Messages": ``message_id`` = ``<job_id>:<attempt>``, ``correlation_id`` =
+    job_id); ``None`` unless they name one attempt consistently."""
+    if not isinstance(message_id, str):
+        return None
+    job_id, colon, digits = message_id.rpartition(":")
+    if not colon or not job_id.strip() or _ATTEMPT_DIGITS.fullmatch(digits) is None:
+        return None
+    if correlation_id is not None and correlation_id != job_id:
+        return None
+    attempt = int(digits)
+    return (job_id, attempt) if attempt <= _MAX_ATTEMPT else None
 
 
 def _describe(error: jsonschema.ValidationError) -> str:
@@ -196,7 +253,7 @@ def parse_outcome(body: bytes) -> Report:
     """Decodes and validates an outcome message (DESIGN.md, "Messages")."""
     try:
         doc = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # also an integer past int_max_str_digits
         raise InvalidOutcome(f"body is not JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise InvalidOutcome(f"body must be a JSON object, got {type(doc).__name__}")

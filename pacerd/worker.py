@@ -336,7 +336,10 @@ class Worker:
     ) -> None:
         try:
             try:
-                job = decode_ready(message.body, clock=self.clock)
+                job = decode_ready(
+                    message.body, clock=self.clock, message_id=message.message_id,
+                    correlation_id=message.correlation_id,
+                )  # fmt: skip
             except InvalidEnvelope as exc:
                 await self._invalid(message, destination, exc, exchange, default_exchange)
                 return
@@ -446,7 +449,9 @@ class Worker:
         exchange: AbstractExchange,
         default_exchange: AbstractExchange,
     ) -> None:
-        """Reports ``fail`` when the envelope names an attempt; else parks it."""
+        """Reports ``fail`` when the envelope names an attempt (in its body or,
+        when the body cannot say, in its ``message_id``/``correlation_id``):
+        that ends the job, not the worker. Else parks it."""
         log.warning("envelope_invalid", reason=str(exc), job_id=exc.job_id, attempt=exc.attempt)
         if exc.job_id is not None and exc.attempt is not None:
             report = Report(

@@ -30,8 +30,9 @@ from fault_scenarios import (
 )
 from faultlib import Knobs
 
-from pacerd.errors import LedgerUnavailable
+from pacerd.errors import BrokerUnavailable, LedgerUnavailable
 from pacerd.ledger import translate_errors
+from pacerd.publisher import translate_errors as translate_amqp_errors
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -97,6 +98,13 @@ def test_a_terminated_backend_error_is_translated_to_ledger_unavailable() -> Non
         )
 
 
+def test_a_connection_dropped_during_the_amqp_handshake_is_broker_unavailable() -> None:
+    # aiormq ends its frame reader with StopAsyncIteration when the peer closes
+    # the socket mid-handshake (seen through a proxy refusing reconnects)
+    with pytest.raises(BrokerUnavailable), translate_amqp_errors():
+        raise StopAsyncIteration
+
+
 async def test_latency_stalls_and_resets_on_every_path(env: Env) -> None:
     knobs = replace(KNOBS, publish_timeout_seconds=1.0)
     audit = await network_faults(
@@ -128,12 +136,5 @@ async def test_poison_outcome_nested_too_deep_is_parked(env: Env) -> None:
     passed(await poison(env, Scale(workers=1, jobs=80, faults=1, settle_seconds=5), kind="nested"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG payload-recursion: pacerd.protocol.decode_ready lets RecursionError escape"
-    " on a payload nested deeper than Python's recursion limit (PostgreSQL stores it), which"
-    " ends the worker process, and every worker it is redelivered to",
-)
 async def test_poison_payload_nested_too_deep_ends_its_job_not_the_workers(env: Env) -> None:
     passed(await poison(env, Scale(workers=1, jobs=80, faults=1, settle_seconds=5), kind="payload"))
