@@ -39,6 +39,11 @@ log = structlog.get_logger("pacerd.admission")
 
 MAX_SLICES_PER_TICK = 50  # sub-tick pacing granularity: at most 50 release points a tick
 MARKS_PER_TICK = 5  # mark-offered statements a tick, off the release schedule
+# Publishes awaiting their confirm, at most: enough for the broker's full
+# confirm throughput (it is reached near 1,000 in flight), and a release that
+# finds no room waits for confirms instead of piling up publishes whose
+# confirms then outlast the publish timeout.
+MAX_UNCONFIRMED = 1000
 CLOSED_CHECK_SECONDS = 0.25  # mid-tick look at the destination's pause and cool-down
 # After a tick lost the broker or timed out on confirms, admission skips ticks
 # for a backoff (doubling up to the maximum), then probes with one job: a
@@ -148,6 +153,25 @@ class _Publishing:
     timed_out: bool = False
     stopped: bool = False
     closed: bool = False
+
+
+class _Room:
+    """How many more publishes may await their confirm (a weighted semaphore;
+    a slice larger than the whole room goes alone)."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.used = size, 0
+        self._freed = anyio.Event()
+
+    async def take(self, n: int) -> None:
+        while self.used and self.used + n > self.size:
+            await self._freed.wait()
+        self.used += n
+
+    def give(self, n: int) -> None:
+        self.used -= n
+        self._freed.set()
+        self._freed = anyio.Event()
 
 
 def counters_window(
@@ -365,6 +389,7 @@ class DestinationAdmission:
             slices[-1][1].append(job)
         next_check = self.clock.monotonic() + CLOSED_CHECK_SECONDS
         released = anyio.Event()
+        room = _Room(MAX_UNCONFIRMED)
 
         async def mark_periodically() -> None:
             while True:
@@ -391,7 +416,8 @@ class DestinationAdmission:
                         outcome.stopped = not outcome.closed
                         outcome.failed.extend(j.ref for _, rest in slices[index:] for j in rest)
                         break
-                    tg.start_soon(self._publish_slice, group, outcome)
+                    await room.take(len(group))
+                    tg.start_soon(self._publish_slice, group, outcome, room)
                 released.set()
         finally:
             released.set()
@@ -410,13 +436,15 @@ class DestinationAdmission:
                     await self.ledger.release_claims(outcome.failed, reason=reason)
         return outcome
 
-    async def _publish_slice(self, group: Sequence[ClaimedJob], outcome: _Publishing) -> None:
+    async def _publish_slice(
+        self, group: Sequence[ClaimedJob], outcome: _Publishing, room: _Room
+    ) -> None:
         """Publishes one release slice and sorts its jobs into confirmed and
         failed (cancelled: all failed, released by the caller)."""
-        if outcome.broker_down:
-            outcome.failed.extend(job.ref for job in group)
-            return
         try:
+            if outcome.broker_down:
+                outcome.failed.extend(job.ref for job in group)
+                return
             if self.observer is None:
                 results = await self.publisher.publish_many(group, [{}] * len(group))
             else:
@@ -425,6 +453,8 @@ class DestinationAdmission:
         except BaseException:
             outcome.failed.extend(job.ref for job in group)
             raise
+        finally:
+            room.give(len(group))
         first_error: PublishError | None = None
         rejected = 0
         for job, error in zip(group, results, strict=True):

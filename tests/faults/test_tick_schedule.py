@@ -19,6 +19,7 @@ import anyio.lowlevel
 
 from pacerd.admission import (
     BROKER_BACKOFF_MAX_SECONDS,
+    MAX_UNCONFIRMED,
     AdmissionConfig,
     DestinationAdmission,
     TickResult,
@@ -265,3 +266,52 @@ async def test_after_confirm_timeouts_admission_backs_off_and_probes_with_one_jo
     assert after
     assert all(r.claimed >= rate * params.tick_seconds * 0.8 for _, r in after[1:])
     assert all(r.skipped is None for _, r in after)
+
+
+class SlowConfirms:
+    """A broker whose confirms take ``delay``; records the most awaiting at once."""
+
+    def __init__(self, clock: VirtualClock, delay: float) -> None:
+        self.clock, self.delay = clock, delay
+        self.unconfirmed = self.peak = self.confirmed = 0
+
+    async def declare_destination(self, destination: str, queue: str) -> None:
+        return None
+
+    async def publish(self, job: ClaimedJob, headers: object) -> None:
+        raise NotImplementedError
+
+    async def publish_many(
+        self, jobs: Sequence[ClaimedJob], headers: object
+    ) -> list[PublishError | None]:
+        self.unconfirmed += len(jobs)
+        self.peak = max(self.peak, self.unconfirmed)
+        await self.clock.sleep(self.delay)
+        self.unconfirmed -= len(jobs)
+        self.confirmed += len(jobs)
+        return [None] * len(jobs)
+
+
+async def test_releases_wait_for_confirms_when_the_broker_lags_the_rate() -> None:
+    clock = VirtualClock()
+    stop = anyio.Event()
+    rate, delay = 5_000.0, 0.5  # 100 a slice every 20 ms; each slice confirmed 0.5 s later
+    ticks = Ticks(clock, stop, until=6.0)
+    publisher = SlowConfirms(clock, delay)
+    params = PacingParams(
+        tick_seconds=1.0, initial_rate=rate, min_rate=rate, max_rate=rate, max_inflight=10**7
+    )
+    admission = DestinationAdmission(
+        ledger=SlowLedger(clock, Costs(clock)), publisher=publisher, clock=clock,
+        config=AdmissionConfig(destination="d", queue="q", params=params), observer=ticks,
+    )  # fmt: skip
+    with anyio.fail_after(60):  # real seconds
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(clock.drive, 60.0)
+            await run_destination(admission, stop=stop)
+            tg.cancel_scope.cancel()
+    assert publisher.peak <= MAX_UNCONFIRMED
+    # the broker's pace (1,000 per 0.5 s), not the rate's, and nothing failed for it
+    assert all(r.released == 0 for _, r in ticks.done)
+    elapsed = ticks.done[-1][0]
+    assert publisher.confirmed >= 0.8 * MAX_UNCONFIRMED / delay * elapsed
