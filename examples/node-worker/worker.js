@@ -30,18 +30,34 @@ function log(event, fields = {}) {
 const isAttempt = (v) => Number.isInteger(v) && v >= 1 && v <= 2147483647;
 const isName = (v) => typeof v === 'string' && v.trim() !== '';
 
+// The attempt a ready message's properties name (message_id = `<job_id>:<attempt>`,
+// correlation_id = job_id), or {} when they do not name one consistently.
+function attemptFromProperties(properties) {
+  const messageId = properties && properties.messageId;
+  if (typeof messageId !== 'string') return {};
+  const colon = messageId.lastIndexOf(':');
+  const jobId = messageId.slice(0, colon);
+  const digits = messageId.slice(colon + 1);
+  if (colon < 0 || !isName(jobId) || !/^[1-9][0-9]{0,9}$/.test(digits)) return {};
+  const corr = properties.correlationId;
+  if (corr !== undefined && corr !== null && corr !== jobId) return {};
+  const attempt = Number(digits);
+  return isAttempt(attempt) ? { jobId, attempt } : {};
+}
+
 // The ready message (ready.schema.json). Returns {job} or {error, jobId?, attempt?}:
-// an invalid message that still names an attempt is reported as `fail`, any
-// other is parked in pacerd.outcomes.invalid.
-function decodeReady(content) {
+// an invalid message that still names an attempt (in its body, or when the body
+// cannot be decoded, in its properties) is reported as `fail`, any other is
+// parked in pacerd.outcomes.invalid.
+function decodeReady(content, properties = {}) {
   let doc;
   try {
     doc = JSON.parse(content.toString('utf8'));
   } catch (err) {
-    return { error: `body is not JSON: ${err.message}` };
+    return { error: `body is not JSON: ${err.message}`, ...attemptFromProperties(properties) };
   }
   if (doc === null || typeof doc !== 'object' || Array.isArray(doc)) {
-    return { error: 'body must be a JSON object' };
+    return { error: 'body must be a JSON object', ...attemptFromProperties(properties) };
   }
   const problems = [];
   if (!isName(doc.job_id)) problems.push('job_id must be a non-empty string');
@@ -173,7 +189,7 @@ async function onMessage(consumer, publisher, msg) {
   inFlight += 1;
   const headers = msg.properties.headers || {};
   try {
-    const decoded = decodeReady(msg.content);
+    const decoded = decodeReady(msg.content, msg.properties);
     let outcome;
     if (decoded.job) {
       outcome = await handle(decoded.job);
@@ -252,4 +268,4 @@ if (require.main === module) {
   });
 }
 
-module.exports = { decodeReady, idempotencyKey, canonicalJson, parseRetryAfter };
+module.exports = { decodeReady, attemptFromProperties, idempotencyKey, canonicalJson, parseRetryAfter };

@@ -4,6 +4,7 @@ follow the schema and that pacerd's outcome consumer applies."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -133,3 +134,34 @@ def _with_errors(params: UpstreamParams) -> UpstreamParams:
     from dataclasses import replace
 
     return replace(params, error_rate=1.0)
+
+
+def test_node_worker_takes_the_attempt_of_an_undecodable_offer_from_its_properties(
+    node_worker: Path,
+) -> None:
+    script = """
+const { decodeReady } = require(process.argv[1]);
+const deep = '['.repeat(200000) + ']'.repeat(200000);
+const cases = [
+  [deep, { messageId: 'job:a:3', correlationId: 'job:a' }],
+  ['{not json', { messageId: 'job-b:1' }],
+  ['{not json', { messageId: 'job-c:1', correlationId: 'other' }],
+  ['{not json', { messageId: 'job-d:0' }],
+  ['{not json', {}],
+];
+console.log(JSON.stringify(cases.map(([body, props]) => {
+  const d = decodeReady(Buffer.from(body), props);
+  return [d.jobId ?? null, d.attempt ?? null, typeof d.error];
+})));
+"""
+    done = subprocess.run(
+        ["node", "-e", script, str(node_worker)],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert json.loads(done.stdout) == [
+        ["job:a", 3, "string"],
+        ["job-b", 1, "string"],
+        [None, None, "string"],
+        [None, None, "string"],
+        [None, None, "string"],
+    ]
