@@ -407,11 +407,7 @@ class DestinationAdmission:
                     await self.clock.sleep_until(started + at)
                     if self.clock.monotonic() >= next_check:
                         next_check = self.clock.monotonic() + CLOSED_CHECK_SECONDS
-                        row = await self.ledger.read_destination(self.config.destination)
-                        if row is not None and (
-                            row.effectively_paused or row.cooldown_remaining_seconds > 0
-                        ):
-                            outcome.closed = True
+                        outcome.closed = await self._closed_meanwhile()
                     if outcome.closed or (self.stop is not None and self.stop.is_set()):
                         outcome.stopped = not outcome.closed
                         outcome.failed.extend(j.ref for _, rest in slices[index:] for j in rest)
@@ -435,6 +431,18 @@ class DestinationAdmission:
                     )
                     await self.ledger.release_claims(outcome.failed, reason=reason)
         return outcome
+
+    async def _closed_meanwhile(self) -> bool:
+        """Whether the destination closed since the claim (a pause, or a
+        Retry-After reported meanwhile), or the ledger cannot say: with the
+        ledger gone, publishes could not be marked offered, so the tick stops
+        releasing (what it cannot release returns at the claim lease's end)."""
+        try:
+            row = await self.ledger.read_destination(self.config.destination)
+        except LedgerError as exc:
+            log.warning("tick_stopped", destination=self.config.destination, error=str(exc))
+            return True
+        return row is not None and (row.effectively_paused or row.cooldown_remaining_seconds > 0)
 
     async def _publish_slice(
         self, group: Sequence[ClaimedJob], outcome: _Publishing, room: _Room
@@ -537,8 +545,9 @@ async def run_destination(
         if leads():
             try:
                 await admission.run_once()
-            except PacerdError as exc:
-                log.warning("tick_failed", destination=admission.config.destination, error=str(exc))
+            except* PacerdError as failed:  # raised by the tick, or by a task inside it
+                errors = "; ".join(str(exc) for exc in failed.exceptions)
+                log.warning("tick_failed", destination=admission.config.destination, error=errors)
                 admission.forget_window()
         else:
             admission.reset()

@@ -25,7 +25,7 @@ from pacerd.admission import (
     TickResult,
     run_destination,
 )
-from pacerd.errors import PublishError, PublishTimeout
+from pacerd.errors import LedgerUnavailable, PublishError, PublishTimeout
 from pacerd.models import ClaimedJob, DestinationRow, JobRef
 from pacerd.pacer import PacingParams
 
@@ -315,3 +315,47 @@ async def test_releases_wait_for_confirms_when_the_broker_lags_the_rate() -> Non
     assert all(r.released == 0 for _, r in ticks.done)
     elapsed = ticks.done[-1][0]
     assert publisher.confirmed >= 0.8 * MAX_UNCONFIRMED / delay * elapsed
+
+
+class FlakyLedger(SlowLedger):
+    """Reading the destination fails between ``down_from`` and ``down_until``
+    (a session terminated under that one statement); the rest works."""
+
+    def __init__(self, clock: VirtualClock, down_from: float, down_until: float) -> None:
+        super().__init__(clock, Costs(clock))
+        self.down_from, self.down_until = down_from, down_until
+        self.failed_calls = 0
+
+    async def read_destination(self, destination: str) -> DestinationRow:
+        row = await super().read_destination(destination)
+        if self.down_from <= self.clock.monotonic() < self.down_until:
+            self.failed_calls += 1
+            raise LedgerUnavailable("the ledger went away: terminating connection")
+        return row
+
+
+async def test_a_ledger_lost_mid_tick_stops_the_tick_not_the_loop() -> None:
+    clock = VirtualClock()
+    stop = anyio.Event()
+    ticks = Ticks(clock, stop, until=6.0)
+    ledger = FlakyLedger(clock, down_from=1.3, down_until=1.9)  # inside the second tick
+    params = PacingParams(
+        tick_seconds=1.0, initial_rate=100.0, min_rate=100.0, max_rate=100.0, max_inflight=10**6
+    )
+    admission = DestinationAdmission(
+        ledger=ledger, publisher=SlowConfirms(clock, 0.01), clock=clock,
+        config=AdmissionConfig(destination="d", queue="q", params=params), observer=ticks,
+    )  # fmt: skip
+    with anyio.fail_after(60):  # real seconds
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(clock.drive, 30.0)
+            await run_destination(admission, stop=stop)  # raises nothing
+            tg.cancel_scope.cancel()
+    assert ledger.failed_calls > 0
+    (second,) = [r for t, r in ticks.done if 1.0 < t < 2.0]
+    assert second.claimed == 100
+    assert 0 < second.offered < 100  # it stopped releasing when the ledger went away
+    assert second.offered + second.released == 100  # and returned the rest
+    later = [r for t, r in ticks.done if t >= 2.0]
+    assert len(later) >= 3
+    assert all(r.claimed > 0 and r.released == 0 for r in later)
