@@ -7,9 +7,8 @@ Nothing here is imported by pacerd or its tests.
 Environment:
     BENCH_ADMIN_DSN   PostgreSQL admin DSN   (postgresql://postgres@127.0.0.1:5432/postgres)
     BENCH_AMQP_URL    RabbitMQ URL of a vhost of the benchmarks' own
-                      (amqp://guest:guest@127.0.0.1:5672/pacerd-bench); create it once:
-                      rabbitmqctl add_vhost pacerd-bench
-                      rabbitmqctl set_permissions -p pacerd-bench guest '.*' '.*' '.*'
+                      (amqp://guest:guest@127.0.0.1:5672/pacerd-bench), created with
+                      rabbitmqctl on first use when it does not exist yet
 """
 
 from __future__ import annotations
@@ -119,9 +118,30 @@ async def state_counts(dsn: str) -> dict[str, int]:
         await conn.close()
 
 
+def ensure_vhost(url: str) -> bool:
+    """Creates the URL's virtual host (guest may use it) with rabbitmqctl;
+    False when that is not possible here."""
+    vhost = urlsplit(url).path.lstrip("/")
+    if not vhost:
+        return False
+    for args in (["add_vhost", vhost], ["set_permissions", "-p", vhost, "guest", ".*", ".*", ".*"]):
+        try:
+            subprocess.run(
+                ["rabbitmqctl", "-q", *args], capture_output=True, timeout=60, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+    return True
+
+
 @contextlib.asynccontextmanager
 async def amqp_channel(url: str = AMQP_URL) -> AsyncIterator[aiormq.abc.AbstractChannel]:
-    connection = await aiormq.connect(url)
+    try:
+        connection = await aiormq.connect(url)
+    except aiormq.exceptions.AMQPError:  # a vhost that does not exist yet (Connection.Close)
+        if not ensure_vhost(url):
+            raise
+        connection = await aiormq.connect(url)
     try:
         yield await connection.channel()
     finally:
