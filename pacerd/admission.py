@@ -44,7 +44,10 @@ MARKS_PER_TICK = 5  # mark-offered statements a tick, off the release schedule
 # finds no room waits for confirms instead of piling up publishes whose
 # confirms then outlast the publish timeout.
 MAX_UNCONFIRMED = 1000
-CLOSED_CHECK_SECONDS = 0.25  # mid-tick look at the destination's pause and cool-down
+# The destination's pause and cool-down are looked at again before each
+# release slice (at most ~50 PK reads a second while the tick publishes): a
+# Retry-After reported mid-tick stops the releases at the next slice.
+CLOSED_CHECK_SECONDS = 0.019
 # After a tick lost the broker or timed out on confirms, admission skips ticks
 # for a backoff (doubling up to the maximum), then probes with one job: a
 # blocked or restarting broker is not fed a tick's budget every tick.
@@ -292,6 +295,12 @@ class DestinationAdmission:
         )
         self.state = state
         self.next_deadline = plan.next_deadline
+        if state.epoch > row.epoch:
+            # A cut: the ledger's epoch moves now, not at the end of the tick, so
+            # that reports arriving meanwhile for jobs claimed before it count
+            # as stale and do not cut again.
+            persisted = {**(row.pacer_state or {}), "pacer": state.to_dict()}
+            await self.ledger.save_pacer_state(dest, persisted, epoch=state.epoch)
         if skipped is None and plan.cooldown:
             skipped = "cooldown"
         claimed: list[ClaimedJob] = []
@@ -383,22 +392,19 @@ class DestinationAdmission:
         grain = tick / MAX_SLICES_PER_TICK
         slices: list[tuple[float, list[ClaimedJob]]] = []
         for job, offset in zip(jobs, offsets, strict=True):
-            at = math.floor(offset / grain) * grain
+            at = math.ceil(offset / grain - 1e-9) * grain  # never before the pacer's offset
             if not slices or slices[-1][0] != at:
                 slices.append((at, []))
             slices[-1][1].append(job)
         next_check = self.clock.monotonic() + CLOSED_CHECK_SECONDS
-        released = anyio.Event()
         room = _Room(MAX_UNCONFIRMED)
+        marking = anyio.CancelScope()  # cancelled once every slice is out
 
         async def mark_periodically() -> None:
-            while True:
-                await sleep_until_or_stop(
-                    self.clock, self.clock.monotonic() + tick / MARKS_PER_TICK, released
-                )
-                if released.is_set():
-                    return  # the rest is marked once every slice has its confirms
-                await self._flush_confirmed(outcome)
+            with marking:
+                while True:
+                    await self.clock.sleep_until(self.clock.monotonic() + tick / MARKS_PER_TICK)
+                    await self._flush_confirmed(outcome)
 
         try:
             async with anyio.create_task_group() as tg:
@@ -414,9 +420,9 @@ class DestinationAdmission:
                         break
                     await room.take(len(group))
                     tg.start_soon(self._publish_slice, group, outcome, room)
-                released.set()
+                marking.cancel()  # the rest is marked once every slice has its confirms
         finally:
-            released.set()
+            marking.cancel()
             with anyio.CancelScope(shield=True):
                 await self._flush_confirmed(outcome, final=True)
                 if outcome.failed:
@@ -567,13 +573,10 @@ async def sleep_until_or_stop(clock: Clock, deadline: float, stop: anyio.Event) 
         return
     async with anyio.create_task_group() as tg:
 
-        async def sleeper() -> None:
-            await clock.sleep_until(deadline)
-            tg.cancel_scope.cancel()
-
         async def stopper() -> None:
             await stop.wait()
             tg.cancel_scope.cancel()
 
-        tg.start_soon(sleeper)
         tg.start_soon(stopper)
+        await clock.sleep_until(deadline)
+        tg.cancel_scope.cancel()

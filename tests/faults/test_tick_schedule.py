@@ -352,10 +352,10 @@ async def test_a_ledger_lost_mid_tick_stops_the_tick_not_the_loop() -> None:
             await run_destination(admission, stop=stop)  # raises nothing
             tg.cancel_scope.cancel()
     assert ledger.failed_calls > 0
-    (second,) = [r for t, r in ticks.done if 1.0 < t < 2.0]
-    assert second.claimed == 100
-    assert 0 < second.offered < 100  # it stopped releasing when the ledger went away
-    assert second.offered + second.released == 100  # and returned the rest
+    (stopped,) = [(t, r) for t, r in ticks.done if r.released > 0]
+    assert 1.3 < stopped[0] < 2.0
+    assert 0 < stopped[1].offered < stopped[1].claimed  # it stopped releasing then
+    assert stopped[1].offered + stopped[1].released == stopped[1].claimed  # returned the rest
     later = [r for t, r in ticks.done if t >= 2.0]
     assert len(later) >= 3
     assert all(r.claimed > 0 and r.released == 0 for r in later)
