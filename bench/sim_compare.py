@@ -4,13 +4,15 @@
     .venv/bin/python -m bench.sim_compare --seeds 3 S1 S2 # a subset
 
 Runs every scenario of ``tests/sim/scenarios.py`` (issue 3's S1..S7, the model
-upstream and worker pool of ``tests/sim/simlib.py``) for pacerd's law and for
-the baseline "halve on refusal, +1 job/s on a clean tick" (same budget
+upstream and worker pool of ``tests/sim/simlib.py``) through pacerd's real
+admission (``tests/sim/simdriver.py``: ``pacerd.admission`` over in-memory
+fakes, in virtual time) with pacerd's law and with the baseline "halve on
+refusal, +1 job/s on a clean tick" as admission's ``law`` (same budget
 arithmetic, sub-tick spacing, lanes and Retry-After closure: only the law
 differs), and prints one markdown table: per scenario and metric, the worst
 value over the seeds for each law, and the target it is held to. Each
-scenario of each law runs once per seed; the metrics are defined in the
-docstring of ``tests/sim/scenarios.py``.
+scenario of each law runs once per seed, in a pool of processes; the metrics
+are defined in the docstring of ``tests/sim/scenarios.py``.
 """
 
 from __future__ import annotations
@@ -30,15 +32,9 @@ def _metrics(job: tuple[str, str, int]) -> tuple[str, str, int, dict[str, float]
     if str(SIM_DIR) not in sys.path:
         sys.path.insert(0, str(SIM_DIR))
     import scenarios
-    import simlib
 
     name, law, seed = job
-    return (
-        name,
-        law,
-        seed,
-        scenarios.METRICS[name](simlib.run(scenarios.SCENARIOS[name], law, seed)),
-    )
+    return name, law, seed, scenarios.measure(name, law, seed)
 
 
 def main(argv: list[str] | None = None) -> int:

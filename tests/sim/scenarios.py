@@ -44,6 +44,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from simdriver import run
 from simlib import InstanceSpec, LedgerSpec, Scenario
 
 from pacerd.pacer import PacingParams
@@ -337,6 +338,12 @@ METRICS: dict[str, Callable[[RunResult], dict[str, float]]] = {
     "S6": _s6,
     "S7": _overall,
 }
+
+
+def measure(name: str, law: str, seed: int) -> dict[str, float]:
+    """The metrics of one run of scenario ``name`` (pacerd's real admission,
+    ``law`` as its law, ``seed``)."""
+    return METRICS[name](run(SCENARIOS[name], law, seed))
 
 
 @dataclass(frozen=True, slots=True)

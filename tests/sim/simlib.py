@@ -1,32 +1,35 @@
-"""A deterministic simulation of pacerd against a rate-limited upstream.
+"""The model world of the deterministic simulation: everything but pacerd.
 
-One discrete-event loop on a fake clock (no sleeping, no asyncio) drives:
+``simdriver.run`` drives pacerd's real admission (``DestinationAdmission`` and
+``run_destination`` from ``pacerd.admission``, with the real pacer) in
+virtual time over in-memory fakes; this module is what those fakes stand on,
+synchronous and seeded:
 
 - a model **upstream**: a token bucket refilled at a scripted capacity C(t)
   (piecewise constant, jobs/s) holding at most ``burst_seconds x C(t)``
   tokens; a call that finds no token is refused (429), optionally with a
   Retry-After. In *penalty* mode an overshoot closes the upstream for
   ``penalty_seconds``: every call is refused, advertising the time left;
-- a **worker pool** per instance: a call reaches the upstream after a small
-  broker delay (when a worker is free), holds the worker for a seeded
+- a **worker pool** per instance: a published job reaches the upstream after
+  a small broker delay (when a worker is free), holds the worker for a seeded
   lognormal latency (median 200 ms) and its outcome reaches the ledger after a
   seeded lognormal report delay;
-- an in-memory **ledger** per destination: the due backlog ordered by
-  ``next_attempt_at`` (a refused job goes back keeping its place, or no
-  earlier than its Retry-After, which also closes the destination), live jobs
-  arriving as a Poisson process, lanes as DESIGN.md defines them, the epoch
-  stamped on each claimed job and compared when its outcome is reported, the
-  outcome counters since the last tick, and the persisted pacer state;
-- **admission**, driven exactly as ``pacerd.admission`` drives the pacer: one
-  ``plan_tick`` per tick with the window, the previous tick's demand, the
-  in-flight count and the remaining cool-down; the lane split; the claimed jobs
-  published across the tick at ``pacer.publish_offsets`` (live first, at a
-  pace under the ceiling, the rest evenly); a publish that finds the
-  destination closed by a Retry-After reported since the claim is released
-  instead; the next tick at the plan's deadline; the previous tick's demand.
+- a **ledger** per destination (``SimLedger``): the jobs' states, the due
+  backlog ordered by ``next_attempt_at`` (an endless or a finite overdue
+  backlog, live jobs arriving as a Poisson process), the claim with its live
+  and backlog lanes as ``claim_due`` in ``pacerd/sql/queries.sql`` makes it,
+  the fenced mark-offered / release / report transitions of the SQL (a
+  refused job goes back keeping its place, or no earlier than its
+  Retry-After, which also closes the destination), the epoch stamped on each
+  claim (a report is fresh when its job's epoch is at least the
+  destination's), the monotonic outcome counters and the persisted pacer
+  state. Leases are not modelled: nothing here outlives them;
+- the **laws** the bench compares: pacerd's own (``pacer.plan_tick``) and the
+  plain halving AIMD baseline, both with ``plan_tick``'s signature, so
+  admission runs either one unchanged.
 
-The law is pluggable (``PacerdLaw``, ``HalvingLaw``), so the bench compares
-pacerd's law with the plain halving AIMD under identical conditions.
+``World`` holds the model's event heap (upstream arrivals, outcome reports,
+live arrivals) and advances it to a given time without awaiting anything.
 """
 
 from __future__ import annotations
@@ -42,18 +45,20 @@ from pacerd import pacer
 from pacerd.pacer import Demand, OutcomeWindow, PacerState, PacingParams, TickPlan
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Iterable, Mapping
+
+    from pacerd.models import JobRef
 
 # ---------------------------------------------------------------------------
 # laws
 
 
 class Law(Protocol):
+    """A control law with ``pacer.plan_tick``'s signature (admission's ``law``)."""
+
     name: str
 
-    def initial(self, params: PacingParams, now: float) -> PacerState: ...
-
-    def plan(
+    def __call__(
         self,
         state: PacerState,
         window: OutcomeWindow,
@@ -62,19 +67,17 @@ class Law(Protocol):
         now: float,
         inflight: int,
         params: PacingParams,
-        cooldown_remaining_s: float,
+        cooldown_remaining_s: float = 0.0,
+        paused: bool = False,
     ) -> tuple[PacerState, TickPlan]: ...
 
 
 class PacerdLaw:
-    """pacerd's own law, exactly as admission calls it."""
+    """pacerd's own law: ``pacer.plan_tick`` itself."""
 
     name = "pacerd"
 
-    def initial(self, params: PacingParams, now: float) -> PacerState:
-        return pacer.initial_state(params, now=now)
-
-    def plan(
+    def __call__(
         self,
         state: PacerState,
         window: OutcomeWindow,
@@ -83,7 +86,8 @@ class PacerdLaw:
         now: float,
         inflight: int,
         params: PacingParams,
-        cooldown_remaining_s: float,
+        cooldown_remaining_s: float = 0.0,
+        paused: bool = False,
     ) -> tuple[PacerState, TickPlan]:
         return pacer.plan_tick(
             state,
@@ -93,21 +97,20 @@ class PacerdLaw:
             inflight=inflight,
             params=params,
             cooldown_remaining_s=cooldown_remaining_s,
+            paused=paused,
         )
 
 
 class HalvingLaw:
     """The baseline: halve on refusal, +1 job/s on a clean tick with demand.
 
-    It shares pacerd's budget arithmetic, sub-tick spacing, lane split and
-    Retry-After closure, so only the control law differs."""
+    The tick arithmetic is pacerd's (``pacer.tick_budget``) and admission
+    does the rest (sub-tick spacing, lanes, Retry-After closure), so only the
+    control law differs."""
 
     name = "halving"
 
-    def initial(self, params: PacingParams, now: float) -> PacerState:
-        return pacer.initial_state(params, now=now)
-
-    def plan(
+    def __call__(
         self,
         state: PacerState,
         window: OutcomeWindow,
@@ -116,13 +119,15 @@ class HalvingLaw:
         now: float,
         inflight: int,
         params: PacingParams,
-        cooldown_remaining_s: float,
+        cooldown_remaining_s: float = 0.0,
+        paused: bool = False,
     ) -> tuple[PacerState, TickPlan]:
         rate = state.rate
         if window.refused > 0:
             rate = rate / 2.0
         elif (
-            cooldown_remaining_s <= 0
+            not paused
+            and cooldown_remaining_s <= 0
             and demand is not None
             and demand.budget > 0
             and demand.admitted >= demand.budget
@@ -143,6 +148,7 @@ class HalvingLaw:
             inflight=inflight,
             params=params,
             cooldown_remaining_s=cooldown_remaining_s,
+            paused=paused,
         )
 
 
@@ -246,6 +252,9 @@ class Upstream:
 # ---------------------------------------------------------------------------
 # the ledger model
 
+SCHEDULED, CLAIMED, OFFERED, COMPLETED = range(4)
+VIRGIN_DUE = -100_000.0  # next_attempt_at of the initial backlog: long overdue
+
 
 class Job:
     __slots__ = (
@@ -253,77 +262,80 @@ class Job:
         "due",
         "epoch",
         "first_dispatch",
+        "job_id",
         "lane_live",
         "latency",
         "live",
         "orig",
+        "state",
     )
 
-    def __init__(self, due: float, *, live: bool, orig: bool) -> None:
+    def __init__(self, job_id: str, due: float, *, live: bool, orig: bool) -> None:
+        self.job_id = job_id
         self.due = due  # next_attempt_at
-        self.live = live  # never offered (a live-lane candidate)
+        self.live = live  # never offered (a live-lane candidate: not ever_offered)
         self.orig = orig  # part of the initial backlog
-        self.epoch = 0
+        self.state = SCHEDULED
+        self.epoch = 0  # admit_epoch of its current claim
         self.attempt = 0
         self.first_dispatch: float | None = None
-        self.lane_live = False
+        self.lane_live = False  # claimed through the live lane
         self.latency = 0.0
 
 
 class SimLedger:
-    def __init__(self, spec: LedgerSpec, params: PacingParams) -> None:
+    """One destination's jobs and shared state (``pacerd.jobs`` and
+    ``pacerd.destinations``), with the SQL's transitions."""
+
+    def __init__(self, spec: LedgerSpec) -> None:
         self.spec = spec
-        self.live_window = params.live_window_seconds
         self.seq = 0
         self.backlog: list[tuple[float, int, Job]] = []  # due, ordered by next_attempt_at
         self.future: list[tuple[float, int, Job]] = []  # not yet due (Retry-After)
         self.live: list[tuple[float, int, Job]] = []  # never offered, due recently
         self.virgin_left: float = math.inf if spec.backlog is None else spec.backlog
         self.virgin_i = 0
+        self.claimed: dict[str, Job] = {}  # claimed or offered, by job_id
         self.inflight = 0
         self.epoch = 0
         self.cooldown_until = -math.inf
-        self.persisted: dict[str, float | int | bool | None] | None = None
+        self.pacer_state: dict[str, Any] | None = None
+        self.n_accepted = self.n_refused = 0
+        self.n_accepted_fresh = self.n_refused_fresh = 0
+        self.n_retry_after = 0
         self.orig_done = 0
         self.drained_at: float | None = None
-        self._reset_window(0.0)
-
-    def _reset_window(self, t: float) -> None:
-        self.w_acc = self.w_ref = self.w_acc_f = self.w_ref_f = 0
-        self.w_ra: float | None = None
-        self.w_since = t
-
-    def take_window(self, t: float) -> OutcomeWindow:
-        w = OutcomeWindow(
-            accepted=self.w_acc,
-            refused=self.w_ref,
-            accepted_fresh=self.w_acc_f,
-            refused_fresh=self.w_ref_f,
-            retry_after_s=self.w_ra,
-            interval_seconds=t - self.w_since,
-        )
-        self._reset_window(t)
-        return w
 
     def _push(self, heap: list[tuple[float, int, Job]], job: Job) -> None:
         self.seq += 1
         heapq.heappush(heap, (job.due, self.seq, job))
 
     def _virgin_due(self) -> float:
-        return -100_000.0 + self.virgin_i * 1e-3
+        return VIRGIN_DUE + self.virgin_i * 1e-3
 
     def add_live(self, t: float) -> None:
-        self._push(self.live, Job(t, live=True, orig=False))
+        self.seq += 1
+        heapq.heappush(self.live, (t, self.seq, Job(f"l{self.seq}", t, live=True, orig=False)))
 
-    def due_counts(self, t: float) -> tuple[int, float]:
+    def due_counts(self, t: float, live_window_seconds: float) -> tuple[int, float]:
+        """(live, backlog) due at ``t``: moves what became due to its lane."""
         while self.future and self.future[0][0] <= t:
             heapq.heappush(self.backlog, heapq.heappop(self.future))
-        horizon = t - self.live_window
-        while self.live and self.live[0][0] < horizon:
+        horizon = t - live_window_seconds
+        while self.live and self.live[0][0] <= horizon:
             heapq.heappush(self.backlog, heapq.heappop(self.live))
         return len(self.live), len(self.backlog) + self.virgin_left
 
-    def claim(self, n_live: int, n_backlog: int, epoch: int) -> list[Job]:
+    def claim(
+        self, t: float, *, live_limit: int, limit: int, epoch: int, live_window_seconds: float
+    ) -> list[Job]:
+        """``claim_due``: up to ``limit`` due jobs, oldest first, ``live_limit``
+        of them reserved for the live lane (work-conserving both ways); live
+        jobs first, each lane in ``next_attempt_at`` order."""
+        live_due, backlog_due = self.due_counts(t, live_window_seconds)
+        live_due, backlog_due = min(live_due, limit), int(min(backlog_due, limit))
+        n_live = min(live_due, max(live_limit, limit - backlog_due))
+        n_backlog = min(backlog_due, limit - n_live)
         jobs: list[Job] = []
         for _ in range(n_live):
             job = heapq.heappop(self.live)[2]
@@ -333,49 +345,91 @@ class SimLedger:
             if self.virgin_left > 0 and (
                 not self.backlog or self._virgin_due() < self.backlog[0][0]
             ):
-                job = Job(self._virgin_due(), live=False, orig=True)
+                job = Job(f"b{self.virgin_i}", self._virgin_due(), live=False, orig=True)
                 self.virgin_i += 1
                 self.virgin_left -= 1
             else:
                 job = heapq.heappop(self.backlog)[2]
             job.lane_live = False
             jobs.append(job)
+        claimed = self.claimed
         for job in jobs:
+            job.state = CLAIMED
             job.epoch = epoch
             job.attempt += 1
+            claimed[job.job_id] = job
         self.inflight += len(jobs)
         return jobs
 
-    def release(self, job: Job) -> None:
-        """A claim whose publish did not happen goes back where it was."""
-        self.inflight -= 1
-        self._push(self.live if job.live else self.backlog, job)
+    def _current(self, ref: JobRef, state: int) -> Job | None:
+        job = self.claimed.get(ref.job_id)
+        if job is None or job.attempt != ref.attempt or job.state != state:
+            return None
+        return job
 
-    def report(self, job: Job, t: float, accepted: bool, retry_after: float | None) -> None:
+    def mark_offered(self, refs: Iterable[JobRef]) -> list[JobRef]:
+        """Confirmed publishes become offered (fenced by state and attempt)."""
+        done = []
+        for ref in refs:
+            job = self._current(ref, CLAIMED)
+            if job is not None:
+                job.state = OFFERED
+                job.live = False  # ever_offered
+                done.append(ref)
+        return done
+
+    def release(self, refs: Iterable[JobRef]) -> list[JobRef]:
+        """Unpublished claims go back where they were, no attempt spent."""
+        done = []
+        for ref in refs:
+            job = self._current(ref, CLAIMED)
+            if job is not None:
+                job.state = SCHEDULED
+                del self.claimed[job.job_id]
+                self.inflight -= 1
+                self._push(self.live if job.live else self.backlog, job)
+                done.append(ref)
+        return done
+
+    def report(
+        self, job: Job, attempt: int, t: float, accepted: bool, retry_after: float | None
+    ) -> bool:
+        """``pacerd.report`` of ``ok`` or ``refused``: False when stale."""
+        if job.attempt != attempt or job.state not in (CLAIMED, OFFERED):
+            return False
+        del self.claimed[job.job_id]
         self.inflight -= 1
+        job.live = False  # an applied report proves the offer
         fresh = job.epoch >= self.epoch
         if accepted:
-            self.w_acc += 1
-            self.w_acc_f += fresh
+            job.state = COMPLETED
+            self.n_accepted += 1
+            self.n_accepted_fresh += fresh
             if job.orig:
                 self.orig_done += 1
                 if self.orig_done == self.spec.backlog:
                     self.drained_at = t
-            return
-        self.w_ref += 1
-        self.w_ref_f += fresh
+            return True
+        job.state = SCHEDULED
+        self.n_refused += 1
+        self.n_refused_fresh += fresh
         if retry_after is not None:
-            self.w_ra = retry_after if self.w_ra is None else max(self.w_ra, retry_after)
+            self.n_retry_after += 1
             self.cooldown_until = max(self.cooldown_until, t + retry_after)
             if t + retry_after > job.due:
                 job.due = t + retry_after
                 self._push(self.future, job)
-                return
+                return True
         self._push(self.backlog, job)
+        return True
+
+    def save_pacer_state(self, state: Mapping[str, Any], epoch: int) -> None:
+        self.pacer_state = dict(state)
+        self.epoch = max(self.epoch, epoch)
 
 
 # ---------------------------------------------------------------------------
-# the instances (admission + worker pool)
+# results
 
 
 @dataclass(slots=True)
@@ -388,21 +442,6 @@ class TickRecord:
     refused_seen: int
     span: float
     clean_fresh: bool  # its window had fresh outcomes and no fresh refusal
-
-
-class Instance:
-    def __init__(
-        self, idx: int, spec: InstanceSpec, ledger: SimLedger, law: Law, sc: Scenario
-    ) -> None:
-        self.idx = idx
-        self.spec = spec
-        self.ledger = ledger
-        self.law = law
-        self.params = sc.params
-        self.active = False
-        self.state: PacerState | None = None
-        self.demand: Demand | None = None
-        self.pool = [0.0] * sc.workers  # when each worker is free
 
 
 @dataclass(slots=True)
@@ -422,137 +461,111 @@ class RunResult:
     drained_at: float | None = None
 
 
-TICK, PUB, ARR, REP, LIVE, START, STOP = range(7)
+# ---------------------------------------------------------------------------
+# the world: upstream, worker pools and ledgers on one event heap
+
+ARR, REP, LIVE = range(3)
 
 
-def run(sc: Scenario, law: Law | str, seed: int) -> RunResult:
-    """Runs one scenario with one law and one seed; deterministic."""
-    law = LAWS[law] if isinstance(law, str) else law
-    rng = random.Random(f"{sc.name}/{seed}")
-    gauss, uniform = rng.gauss, rng.random
-    exp = math.exp
-    lat_mu, lat_sig = math.log(sc.latency_median), sc.latency_sigma
-    rep_mu, rep_sig = math.log(sc.report_delay_median), sc.report_delay_sigma
-    broker = sc.broker_delay
-    p = sc.params
-    up = Upstream(sc)
-    ledgers = [SimLedger(spec, p) for spec in sc.ledgers]
-    insts = [
-        Instance(i, spec, ledgers[spec.ledger], law, sc) for i, spec in enumerate(sc.instances)
-    ]
-    res = RunResult(scenario=sc, law=law.name, seed=seed)
-    events: list[tuple[float, int, int, int, Any]] = []
-    counter = itertools.count()
-    heappush, heappop = heapq.heappush, heapq.heappop
+class World:
+    """The model's events in time order, advanced by the driver between the
+    moments admission wakes up; published jobs enter it through
+    :meth:`publish` and are handed to the instance's worker pool when the
+    driver next runs (in instance order: deterministic)."""
 
-    def push(t: float, kind: int, a: int, b: Any = None) -> None:
-        heappush(events, (t, next(counter), kind, a, b))
+    def __init__(self, sc: Scenario, law: str, seed: int) -> None:
+        self.sc = sc
+        self.rng = rng = random.Random(f"{sc.name}/{seed}")
+        self.upstream = Upstream(sc)
+        self.ledgers = [SimLedger(spec) for spec in sc.ledgers]
+        self.pools = [[0.0] * sc.workers for _ in sc.instances]  # when each worker is free
+        self.pending: list[list[Job]] = [[] for _ in sc.instances]
+        self.published = False
+        self.res = RunResult(scenario=sc, law=law, seed=seed)
+        self.events: list[tuple[float, int, int, int, Any]] = []
+        self.counter = itertools.count()
+        for i, led in enumerate(self.ledgers):
+            if led.spec.live_rate > 0:
+                self._push(rng.expovariate(led.spec.live_rate), LIVE, i, None)
 
-    for i, led in enumerate(ledgers):
-        if led.spec.live_rate > 0:
-            push(rng.expovariate(led.spec.live_rate), LIVE, i)
-    for inst in insts:
-        push(inst.spec.start, START, inst.idx)
-        if inst.spec.stop is not None:
-            push(inst.spec.stop, STOP, inst.idx)
-    call_t, call_inst, call_ok, call_live = res.call_t, res.call_inst, res.call_ok, res.call_live
-    duration = sc.duration
-    upcall = up.call
+    def _push(self, t: float, kind: int, a: int, b: Any) -> None:
+        heapq.heappush(self.events, (t, next(self.counter), kind, a, b))
 
-    while events:
-        t, _, kind, a, b = heappop(events)
-        if t > duration:
-            break
-        if kind == ARR:
-            ok, ra = upcall(t)
-            call_t.append(t)
-            call_inst.append(a)
-            call_ok.append(ok)
-            call_live.append(b.lane_live)
-            rep = t + b.latency + exp(rep_mu + rep_sig * gauss(0.0, 1.0))
-            heappush(events, (rep, next(counter), REP, a, (b, ok, ra)))
-        elif kind == REP:
-            job, ok, ra = b
-            insts[a].ledger.report(job, t, ok, ra)
-            if ra is not None:
-                res.ra_windows.append((t, t - job.latency + ra))  # visible .. advertised end
-        elif kind == PUB:
-            inst = insts[a]
-            led = inst.ledger
-            if not inst.active or led.cooldown_until > t:
-                led.release(b)
+    def publish(self, instance: int, job: Job) -> None:
+        """A confirmed publish by ``instance`` (dispatched at :meth:`flush`)."""
+        self.pending[instance].append(job)
+        self.published = True
+
+    def flush(self, t: float) -> None:
+        """Hands the jobs published at ``t`` to their worker pools."""
+        if not self.published:
+            return
+        self.published = False
+        sc, res = self.sc, self.res
+        uniform, gauss, exp = self.rng.random, self.rng.gauss, math.exp
+        lat_mu, lat_sig = math.log(sc.latency_median), sc.latency_sigma
+        broker = sc.broker_delay
+        heappush, heappop = heapq.heappush, heapq.heappop
+        events, counter = self.events, self.counter
+        for inst, jobs in enumerate(self.pending):
+            if not jobs:
                 continue
-            res.dispatch_t.append(t)
-            if b.first_dispatch is None:
-                b.first_dispatch = t
-                if b.lane_live:
-                    res.live_waits.append(t - b.due)
-            b.live = False
-            pool = inst.pool
-            start = max(t + broker * (0.5 + uniform()), heappop(pool))
-            b.latency = exp(lat_mu + lat_sig * gauss(0.0, 1.0))
-            heappush(pool, start + b.latency)
-            heappush(events, (start, next(counter), ARR, a, b))
-        elif kind == TICK:
-            inst = insts[a]
-            if inst.active:
-                _tick(inst, t, res, push)
-        elif kind == LIVE:
-            ledgers[a].add_live(t)
-            push(t + rng.expovariate(ledgers[a].spec.live_rate), LIVE, a)
-        elif kind == START:
-            inst = insts[a]
-            now = t + inst.spec.clock_offset
-            persisted = inst.ledger.persisted
-            if persisted is not None:
-                inst.state = PacerState.from_dict(persisted, now=now, params=p)
-            else:
-                inst.state = law.initial(p, now)
-            inst.active = True
-            push(t, TICK, a)
-        elif kind == STOP:
-            insts[a].active = False
-    for led in ledgers:
-        if led.drained_at is not None:
-            res.drained_at = led.drained_at
-    return res
+            pool = self.pools[inst]
+            for job in jobs:
+                res.dispatch_t.append(t)
+                if job.first_dispatch is None:
+                    job.first_dispatch = t
+                    if job.lane_live:
+                        res.live_waits.append(t - job.due)
+                start = max(t + broker * (0.5 + uniform()), heappop(pool))
+                job.latency = exp(lat_mu + lat_sig * gauss(0.0, 1.0))
+                heappush(pool, start + job.latency)
+                heappush(events, (start, next(counter), ARR, inst, job))
+            jobs.clear()
 
+    def next_event(self) -> float:
+        return self.events[0][0] if self.events else math.inf
 
-def _tick(
-    inst: Instance, t: float, res: RunResult, push: Callable[[float, int, int, Any], None]
-) -> None:
-    """One admission pass, as ``pacerd.admission`` runs it."""
-    led = inst.ledger
-    p = inst.params
-    now = t + inst.spec.clock_offset
-    assert inst.state is not None
-    window = led.take_window(t)
-    state, plan = inst.law.plan(
-        inst.state,
-        window,
-        inst.demand,
-        now=now,
-        inflight=led.inflight,
-        params=p,
-        cooldown_remaining_s=max(0.0, led.cooldown_until - t),
-    )
-    inst.state = state
-    led.epoch = state.epoch
-    led.persisted = state.to_dict()
-    live_due, backlog_due = led.due_counts(t)
-    split = pacer.split_lanes(plan.budget, live_due, int(min(backlog_due, 1e9)), p)
-    jobs = led.claim(split.live, split.backlog, state.epoch)
-    span = plan.next_deadline - now
-    clean = window.refused_fresh == 0 and window.accepted_fresh > 0
-    rec = TickRecord(t, inst.idx, plan.budget, state.rate, len(jobs), window.refused, span, clean)
-    res.ticks.append(rec)
-    offsets = pacer.publish_offsets(plan, split.live, len(jobs))
-    for off, job in zip(offsets, jobs, strict=True):
-        push(t + off, PUB, inst.idx, job)
-    inst.demand = Demand(
-        budget=plan.budget,
-        admitted=len(jobs),
-        backlog_empty=len(jobs) < plan.budget,
-        inflight_capped=plan.inflight_capped,
-    )
-    push(plan.next_deadline - inst.spec.clock_offset, TICK, inst.idx, None)
+    def advance(self, until: float) -> None:
+        """Processes every model event at or before ``until``."""
+        events = self.events
+        if not events or events[0][0] > until:
+            return
+        sc, res, rng = self.sc, self.res, self.rng
+        gauss, exp = rng.gauss, math.exp
+        rep_mu, rep_sig = math.log(sc.report_delay_median), sc.report_delay_sigma
+        upcall = self.upstream.call
+        heappush, heappop, counter = heapq.heappush, heapq.heappop, self.counter
+        call_t, call_inst, call_ok, call_live = (
+            res.call_t,
+            res.call_inst,
+            res.call_ok,
+            res.call_live,
+        )
+        instances, ledgers = sc.instances, self.ledgers
+        while events and events[0][0] <= until:
+            t, _, kind, a, b = heappop(events)
+            if kind == ARR:
+                ok, ra = upcall(t)
+                call_t.append(t)
+                call_inst.append(a)
+                call_ok.append(ok)
+                call_live.append(b.lane_live)
+                rep = t + b.latency + exp(rep_mu + rep_sig * gauss(0.0, 1.0))
+                heappush(events, (rep, next(counter), REP, a, (b, b.attempt, ok, ra)))
+            elif kind == REP:
+                job, attempt, ok, ra = b
+                led = ledgers[instances[a].ledger]
+                if led.report(job, attempt, t, ok, ra) and ra is not None:
+                    res.ra_windows.append((t, t - job.latency + ra))  # visible .. advertised end
+            else:  # LIVE
+                led = ledgers[a]
+                led.add_live(t)
+                t_next = t + rng.expovariate(led.spec.live_rate)
+                heappush(events, (t_next, next(counter), LIVE, a, None))
+
+    def finish(self) -> RunResult:
+        for led in self.ledgers:
+            if led.drained_at is not None:
+                self.res.drained_at = led.drained_at
+        return self.res

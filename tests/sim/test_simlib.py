@@ -1,12 +1,47 @@
-"""The simulation's own parts: the model upstream, the ledger model, determinism."""
+"""The simulation's own parts: the model upstream, the ledger model, the
+virtual clock, the baseline law, and runs of the real admission over them."""
 
 from __future__ import annotations
 
-import pytest
-from scenarios import SCENARIOS, Calls, ideal_drain_seconds, utilization
-from simlib import Job, LedgerSpec, Scenario, SimLedger, Upstream, run
+import bisect
+import dataclasses
+from collections import Counter
 
-from pacerd.pacer import PacingParams
+import pytest
+import trio
+import trio.testing
+from scenarios import SCENARIOS, Calls, ideal_drain_seconds, utilization
+from simclock import SimClock, SimTime
+from simdriver import run
+from simlib import (
+    CLAIMED,
+    COMPLETED,
+    OFFERED,
+    SCHEDULED,
+    HalvingLaw,
+    Job,
+    LedgerSpec,
+    Scenario,
+    SimLedger,
+    Upstream,
+)
+
+from pacerd import pacer
+from pacerd.admission import MAX_SLICES_PER_TICK
+from pacerd.models import JobRef
+from pacerd.pacer import Demand, OutcomeWindow, PacingParams
+
+WINDOW = 60.0
+
+
+def _claim(
+    led: SimLedger, t: float, limit: int, *, live_limit: int = 0, epoch: int = 0
+) -> list[Job]:
+    return led.claim(t, live_limit=live_limit, limit=limit, epoch=epoch, live_window_seconds=WINDOW)
+
+
+def _ref(job: Job) -> JobRef:
+    return JobRef(job_id=job.job_id, attempt=job.attempt)
 
 
 def test_the_token_bucket_refuses_above_capacity_and_keeps_its_burst() -> None:
@@ -39,36 +74,124 @@ def test_penalty_mode_closes_the_upstream_and_advertises_the_time_left() -> None
 
 
 def test_a_refused_job_keeps_its_place_in_line_or_waits_for_its_retry_after() -> None:
-    led = SimLedger(LedgerSpec(backlog=3), PacingParams())
-    first, second, third = led.claim(0, 3, epoch=0)
-    led.report(first, 1.0, False, None)
-    led.report(second, 1.0, False, 30.0)
-    assert led.due_counts(2.0) == (0, 1)
-    assert led.claim(0, 1, epoch=0) == [first]
+    led = SimLedger(LedgerSpec(backlog=3))
+    first, second, third = _claim(led, 0.0, 3)
+    assert led.report(first, 1, 1.0, False, None)
+    assert led.report(second, 1, 1.0, False, 30.0)
+    assert _claim(led, 2.0, 1) == [first]
     assert led.cooldown_until == pytest.approx(31.0)
-    assert led.due_counts(31.0) == (0, 1)
-    assert led.claim(0, 1, epoch=0) == [second]
+    assert _claim(led, 2.0, 1) == []  # the other one waits for its Retry-After
+    assert _claim(led, 31.0, 1) == [second]
     assert third.attempt == 1
     assert first.attempt == 2
+    assert (led.n_refused, led.n_retry_after, led.inflight) == (2, 1, 3)
 
 
-def test_fresh_means_claimed_at_or_after_the_current_epoch() -> None:
-    led = SimLedger(LedgerSpec(), PacingParams())
-    old = led.claim(0, 1, epoch=3)[0]
-    led.epoch = 4
-    new = led.claim(0, 1, epoch=4)[0]
-    led.report(old, 1.0, False, None)
-    led.report(new, 1.0, False, None)
-    window = led.take_window(1.0)
-    assert (window.refused, window.refused_fresh) == (2, 1)
+def test_reports_count_fresh_when_claimed_at_or_after_the_destinations_epoch() -> None:
+    led = SimLedger(LedgerSpec())
+    (old,) = _claim(led, 0.0, 1, epoch=3)
+    led.save_pacer_state({"pacer": {}}, 4)
+    (new,) = _claim(led, 0.0, 1, epoch=4)
+    led.report(old, 1, 1.0, False, None)
+    led.report(new, 1, 1.0, False, None)
+    assert (led.n_refused, led.n_refused_fresh) == (2, 1)
+    led.save_pacer_state({"pacer": {}}, 2)  # the epoch never goes back
+    assert led.epoch == 4
+
+
+def test_the_claim_reserves_the_live_share_and_is_work_conserving() -> None:
+    led = SimLedger(LedgerSpec(backlog=100))
+    for i in range(5):
+        led.add_live(10.0 + i)
+    jobs = _claim(led, 20.0, 10, live_limit=4)
+    assert [job.lane_live for job in jobs] == [True] * 4 + [False] * 6
+    assert [job.due for job in jobs[:4]] == [10.0, 11.0, 12.0, 13.0]  # oldest first
+    quiet = SimLedger(LedgerSpec(backlog=2))
+    quiet.add_live(1.0)
+    jobs = _claim(quiet, 2.0, 10, live_limit=4)  # each lane takes what the other leaves
+    assert [job.lane_live for job in jobs] == [True, False, False]
+    busy = SimLedger(LedgerSpec(backlog=0))
+    for i in range(8):
+        busy.add_live(float(i))
+    assert len(_claim(busy, 8.0, 6, live_limit=3)) == 6
 
 
 def test_live_jobs_become_backlog_after_the_live_window() -> None:
-    led = SimLedger(LedgerSpec(backlog=0), PacingParams(live_window_seconds=60.0))
+    led = SimLedger(LedgerSpec(backlog=0))
     led.add_live(10.0)
-    assert led.due_counts(20.0) == (1, 0)
-    assert led.due_counts(71.0) == (0, 1)
-    assert isinstance(led.claim(0, 1, epoch=0)[0], Job)
+    assert led.due_counts(20.0, WINDOW) == (1, 0)
+    assert led.due_counts(70.0, WINDOW) == (0, 1)  # due exactly a window ago: backlog
+    (job,) = _claim(led, 71.0, 1, live_limit=1)
+    assert not job.lane_live
+
+
+def test_marks_and_releases_are_fenced_by_state_and_attempt() -> None:
+    led = SimLedger(LedgerSpec(backlog=0))
+    led.add_live(0.0)
+    (job,) = _claim(led, 1.0, 1, live_limit=1)
+    assert job.state == CLAIMED
+    assert led.mark_offered([JobRef(job_id=job.job_id, attempt=2)]) == []
+    assert led.release([_ref(job)]) == [_ref(job)]  # back in its lane, no attempt spent
+    assert (job.state, led.inflight, led.due_counts(1.0, WINDOW)) == (SCHEDULED, 0, (1, 0))
+    (again,) = _claim(led, 1.0, 1, live_limit=1)
+    assert again is job
+    assert job.attempt == 2  # never reused
+    assert led.mark_offered([_ref(job)]) == [_ref(job)]
+    assert (job.state, job.live) == (OFFERED, False)
+    assert led.release([_ref(job)]) == []  # offered: not a claim any more
+    assert led.report(job, 2, 2.0, True, None)
+    assert (job.state, led.inflight, led.n_accepted) == (COMPLETED, 0, 1)
+    assert not led.report(job, 2, 2.0, True, None)  # stale
+    assert led.n_accepted == 1
+
+
+def test_sleepers_wake_in_deadline_order_when_the_driver_moves_the_time() -> None:
+    woke: list[tuple[str, float]] = []
+
+    async def main() -> None:
+        time = SimTime()
+        a, b = SimClock(time, offset=1000.0), SimClock(time, offset=5.0)
+
+        async def sleeper(name: str, clock: SimClock, deadline: float) -> None:
+            await clock.sleep_until(deadline)
+            woke.append((name, clock.monotonic()))
+
+        scope = trio.CancelScope()
+
+        async def cancelled() -> None:
+            with scope:
+                await sleeper("c", a, 1001.0)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sleeper, "a", a, 1003.0)
+            nursery.start_soon(sleeper, "b", b, 6.0)
+            nursery.start_soon(cancelled)
+            await trio.testing.wait_all_tasks_blocked()
+            scope.cancel()
+            await trio.testing.wait_all_tasks_blocked()
+            assert time.next_wake() == 1.0
+            time.wake(1.0)
+            await trio.testing.wait_all_tasks_blocked()
+            assert woke == [("b", 6.0)]
+            time.wake(time.next_wake())
+        assert time.t == 3.0
+
+    trio.run(main)
+    assert woke == [("b", 6.0), ("a", 1003.0)]
+
+
+def test_the_halving_law_halves_on_refusal_and_adds_one_on_a_busy_clean_tick() -> None:
+    p = PacingParams(initial_rate=40.0)
+    law = HalvingLaw()
+    state = pacer.initial_state(p, now=0.0)
+    busy = Demand(budget=40, admitted=40)
+    state, plan = law(state, OutcomeWindow(refused=1), busy, now=0.0, inflight=0, params=p)
+    assert (state.rate, plan.budget) == (20.0, 20)
+    state, _ = law(state, OutcomeWindow(accepted=20), busy, now=1.0, inflight=0, params=p)
+    assert state.rate == 21.0
+    idle = Demand(budget=21, admitted=3, backlog_empty=True)
+    state, _ = law(state, OutcomeWindow(accepted=3), idle, now=2.0, inflight=0, params=p)
+    assert state.rate == 21.0
 
 
 def test_a_run_is_deterministic_for_a_seed() -> None:
@@ -77,6 +200,26 @@ def test_a_run_is_deterministic_for_a_seed() -> None:
     assert (a.call_t, a.call_ok) == (b.call_t, b.call_ok)
     c = run(sc, "pacerd", 4)
     assert a.call_t != c.call_t
+
+
+def test_two_instances_on_one_upstream_are_deterministic_too() -> None:
+    sc = dataclasses.replace(SCENARIOS["S2"], duration=130.0)
+    a, b = run(sc, "pacerd", 1), run(sc, "pacerd", 1)
+    assert (a.call_t, a.call_inst, a.call_ok) == (b.call_t, b.call_inst, b.call_ok)
+    assert set(a.call_inst) == {0, 1}
+
+
+def test_admission_publishes_its_claims_in_release_slices() -> None:
+    res = run(SCENARIOS["S5"], "pacerd", 0)
+    jobs_at = Counter(res.dispatch_t)
+    releases = sorted(jobs_at)
+    assert max(jobs_at.values()) > 1  # a release slice carries several jobs
+    busy = [r for r in res.ticks if r.claimed > MAX_SLICES_PER_TICK]
+    assert busy
+    for r in busy:  # at most MAX_SLICES_PER_TICK releases a tick (one may fall on its end)
+        n = bisect.bisect_left(releases, r.t + r.span) - bisect.bisect_left(releases, r.t)
+        assert n <= MAX_SLICES_PER_TICK + 1
+    assert all(r.claimed <= r.budget for r in res.ticks)
 
 
 def test_utilization_counts_accepted_calls_against_the_capacity_integral() -> None:
