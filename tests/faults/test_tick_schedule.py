@@ -145,15 +145,27 @@ class SlowLedger:
         self.state = dict(state)
 
 
-class SlowPublisher:
-    def __init__(self, costs: Costs) -> None:
-        self.costs = costs
+class BatchPublisher:
+    """The ``Publisher`` protocol around a fake's ``publish_many`` (admission
+    publishes slices; ``publish`` is one job's slice)."""
 
     async def declare_destination(self, destination: str, queue: str) -> None:
         return None
 
     async def publish(self, job: ClaimedJob, headers: object) -> None:
-        await self.costs.operation()
+        (error,) = await self.publish_many([job], headers)
+        if error is not None:
+            raise error
+
+    async def publish_many(
+        self, jobs: Sequence[ClaimedJob], headers: object
+    ) -> list[PublishError | None]:
+        raise NotImplementedError
+
+
+class SlowPublisher(BatchPublisher):
+    def __init__(self, costs: Costs) -> None:
+        self.costs = costs
 
     async def publish_many(
         self, jobs: Sequence[ClaimedJob], headers: object
@@ -210,19 +222,13 @@ async def test_a_busy_tick_ends_by_its_deadline_and_the_loop_admits_its_rate() -
     assert median_gap <= 1.25 * TICK_SECONDS, f"a busy tick every {median_gap:.3f} s"
 
 
-class StalledPublisher:
+class StalledPublisher(BatchPublisher):
     """A broker that holds every confirm past the publish timeout until ``until``
     (a memory alarm), then confirms at once; counts what was sent meanwhile."""
 
     def __init__(self, clock: VirtualClock, until: float, timeout: float) -> None:
         self.clock, self.until, self.timeout = clock, until, timeout
         self.sent_while_stalled = 0
-
-    async def declare_destination(self, destination: str, queue: str) -> None:
-        return None
-
-    async def publish(self, job: ClaimedJob, headers: object) -> None:
-        raise NotImplementedError
 
     async def publish_many(
         self, jobs: Sequence[ClaimedJob], headers: object
@@ -268,18 +274,12 @@ async def test_after_confirm_timeouts_admission_backs_off_and_probes_with_one_jo
     assert all(r.skipped is None for _, r in after)
 
 
-class SlowConfirms:
+class SlowConfirms(BatchPublisher):
     """A broker whose confirms take ``delay``; records the most awaiting at once."""
 
     def __init__(self, clock: VirtualClock, delay: float) -> None:
         self.clock, self.delay = clock, delay
         self.unconfirmed = self.peak = self.confirmed = 0
-
-    async def declare_destination(self, destination: str, queue: str) -> None:
-        return None
-
-    async def publish(self, job: ClaimedJob, headers: object) -> None:
-        raise NotImplementedError
 
     async def publish_many(
         self, jobs: Sequence[ClaimedJob], headers: object

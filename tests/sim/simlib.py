@@ -76,29 +76,7 @@ class PacerdLaw:
     """pacerd's own law: ``pacer.plan_tick`` itself."""
 
     name = "pacerd"
-
-    def __call__(
-        self,
-        state: PacerState,
-        window: OutcomeWindow,
-        demand: Demand | None,
-        *,
-        now: float,
-        inflight: int,
-        params: PacingParams,
-        cooldown_remaining_s: float = 0.0,
-        paused: bool = False,
-    ) -> tuple[PacerState, TickPlan]:
-        return pacer.plan_tick(
-            state,
-            window,
-            demand,
-            now=now,
-            inflight=inflight,
-            params=params,
-            cooldown_remaining_s=cooldown_remaining_s,
-            paused=paused,
-        )
+    __call__ = staticmethod(pacer.plan_tick)
 
 
 class HalvingLaw:
