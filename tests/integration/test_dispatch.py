@@ -125,7 +125,10 @@ async def _drain_invalid(amqp_url: str) -> list[bytes]:
     bodies: list[bytes] = []
     try:
         channel = await connection.channel()
-        queue = await channel.get_queue("pacerd.outcomes.invalid")
+        try:
+            queue = await channel.get_queue("pacerd.outcomes.invalid")
+        except aio_pika.exceptions.ChannelNotFoundEntity:
+            return bodies  # not declared yet: no daemon has run in this vhost
         while True:
             message = await queue.get(no_ack=True, fail=False)
             if message is None:
