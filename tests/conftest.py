@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import uuid
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
@@ -105,3 +106,17 @@ def amqp_url() -> Iterator[str]:
         yield urlunsplit(parts._replace(path=f"/{vhost}"))
     finally:
         _rabbitmqctl("delete_vhost", vhost)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Starts the simulation runs early, if any target test is selected."""
+    if any(item.path.name == "test_sim_targets.py" for item in session.items):
+        import simpool  # tests/sim is on sys.path once its tests are collected
+
+        simpool.start(session)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    simpool = sys.modules.get("simpool")
+    if simpool is not None:
+        simpool.stop(session)

@@ -1,48 +1,22 @@
 """Issue 3's simulation targets, asserted for the worst of ten seeds.
 
 Each scenario runs once per seed through pacerd's real admission
-(``simdriver``), in a pool of one process per core: the runs of every
-scenario the selected tests need are submitted at the first test, and each
-test awaits its scenario's. Every target is its own test, so a report names
-exactly what missed and by how much.
+(``simdriver``), in a pool of low-priority processes started when collection
+ends (``simpool.py``); each test awaits its scenario's runs. Every target is
+its own test, so a report names exactly what missed and by how much.
 """
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-from concurrent.futures import Future, ProcessPoolExecutor
-from typing import TYPE_CHECKING
-
 import pytest
-from scenarios import TARGETS, Target, measure
-
-if TYPE_CHECKING:
-    from collections.abc import Iterator
-
-SEEDS = range(10)
-Runs = dict[str, list[Future[dict[str, float]]]]
+import simpool
+from scenarios import TARGETS, Target
+from simpool import Runs
 
 
-@pytest.fixture(scope="module")
-def runs(request: pytest.FixtureRequest) -> Iterator[Runs]:
-    """Submits the runs of every scenario the selected tests need, in their
-    order, to one process per core; each test awaits its scenario's."""
-    names = dict.fromkeys(
-        str(item.callspec.params["name"])
-        for item in request.session.items
-        if isinstance(item, pytest.Function)
-        and item.module is request.module
-        and hasattr(item, "callspec")
-    )
-    with ProcessPoolExecutor(
-        max_workers=len(os.sched_getaffinity(0)),
-        mp_context=multiprocessing.get_context("spawn"),  # never fork a process with threads
-    ) as pool:
-        yield {
-            name: [pool.submit(measure, name, "pacerd", seed) for seed in SEEDS] for name in names
-        }
-        pool.shutdown(cancel_futures=True)
+@pytest.fixture
+def runs(request: pytest.FixtureRequest) -> Runs:
+    return simpool.runs(request.config)
 
 
 # Known misses: the target stays as written and the test fails loudly (strict)
