@@ -124,7 +124,7 @@ def main() -> None:
     parser.add_argument(
         "--rate", type=float, default=None, help="pacerd initial = max rate (1.5 x raw limit)"
     )
-    parser.add_argument("--tick", type=float, default=0.25, help="pacerd tick_seconds")
+    parser.add_argument("--tick", type=float, default=1.0, help="pacerd tick_seconds")
     parser.add_argument("--peer-python", default=PEER_PYTHON, help="python of the peer's venv")
     args = parser.parse_args()
     if not os.path.exists(args.peer_python):
