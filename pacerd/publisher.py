@@ -331,10 +331,12 @@ class Broker:
             underlay = await channel.get_underlay_channel()
             await underlay.basic_qos(prefetch_count=prefetch)
         batches = DeliveryBatches(underlay, max_batch=prefetch)
-        # A closed channel or connection ends the batches (BrokerUnavailable)
-        # instead of leaving the consumer waiting forever.
+        # A closed channel or connection, or the broker cancelling the consumer
+        # (its queue deleted), ends the batches (BrokerUnavailable) instead of
+        # leaving the consumer waiting forever.
         channel.close_callbacks.add(batches.close)
         self._connection.close_callbacks.add(batches.close)
+        underlay.on_consumer_cancel_callbacks.add(batches.close)
         with translate_errors():
             ok = await underlay.basic_consume(queue, batches.put)
         try:

@@ -12,6 +12,7 @@ both ways in a transaction that is rolled back, and compares.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
 import uuid
@@ -302,3 +303,33 @@ async def test_publish_many_without_a_broker_fails_each_message() -> None:
     broker = Broker(url="amqp://guest:guest@127.0.0.1:1/", publish_timeout_seconds=1)
     results = await broker.publish_many([_claimed("a", "d"), _claimed("b", "d")], [{}, {}])
     assert all(isinstance(r, BrokerUnavailable) for r in results)
+
+
+async def test_outcome_batches_ack_by_tag_and_end_when_the_broker_cancels(amqp_url: str) -> None:
+    """Deliveries come in batches of what is buffered (up to the prefetch), one
+    multiple-ack settles a batch, and a consumer the broker cancels (its queue
+    deleted) ends the batches instead of waiting forever."""
+    queue = f"perf-consume-{uuid.uuid4().hex[:8]}"
+    connection = await aio_pika.connect(amqp_url)
+    broker = Broker(url=amqp_url, publish_timeout_seconds=10)
+    try:
+        channel = await connection.channel()
+        await channel.declare_queue(queue, durable=True)
+        await broker.connect()
+        for i in range(30):
+            await broker.publish_raw(queue, b"x", headers={"n": str(i)})
+        async with broker.consume(queue, prefetch=10) as batches:
+            seen: list[str] = []
+            while len(seen) < 30:
+                batch = await asyncio.wait_for(batches.next_batch(), 10)
+                assert 1 <= len(batch) <= 10
+                assert all(d.body == b"x" for d in batch)
+                seen += [str(d.headers["n"]) for d in batch]
+                await batches.ack(batch)
+            assert seen == [str(i) for i in range(30)]
+            await channel.queue_delete(queue)
+            with pytest.raises(BrokerUnavailable):
+                await asyncio.wait_for(batches.next_batch(), 10)
+    finally:
+        await broker.close()
+        await connection.close()
