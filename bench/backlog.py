@@ -7,11 +7,12 @@ with 10,000 / 1,000,000 / 5,000,000 due rows, generated with
     .venv/bin/python -m bench.backlog --sizes 10000,1000000 --ticks 40
 
 For each size (the database grows from one size to the next), a child
-process runs ``--ticks`` ticks of budget ``--budget`` (a manual autojump clock
-advanced by exactly one tick before each, so the budget is the same every
-tick and the sub-tick spacing costs no waiting: the duration is the tick's
-own work — read the destination, count in-flight, claim, publish with
-confirms, mark offered, save the pacer). After each tick, untimed, the
+process runs ``--ticks`` ticks of budget ``--budget`` on a ``TickClock``:
+virtual time that jumps to any deadline inside the current tick at once and
+never past it, moved to the next tick's start by the bench, so the budget is
+the same every tick and the sub-tick spacing costs no waiting: the duration
+is the tick's own work — read the destination, count in-flight, claim,
+publish with confirms, mark offered, save the pacer. After each tick, untimed, the
 claimed jobs go back to the end of the due queue (due 30 minutes ago: behind
 the seeded rows, which are due an hour ago, and outside the live window), so
 the backlog keeps its size. A no-op consumer drains the ready queue. Printed per size: tick p50 /
@@ -29,6 +30,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import asyncpg
 
 from bench import common
@@ -43,6 +45,29 @@ if TYPE_CHECKING:
 
 DB = "pacerd_bench_backlog"
 TICK_SECONDS = 0.5
+
+
+class TickClock(ManualClock):
+    """Autojump, but only inside the current tick: a sleep past its end (the
+    marker of offers between flushes) waits until the bench opens the next
+    tick, so virtual time never runs ahead of the ticks while real confirms
+    and statements are awaited."""
+
+    def __init__(self, *, start: float) -> None:
+        super().__init__(start=start, autojump=True)
+        self.tick_end = start
+        self._opened = anyio.Event()
+
+    def open_tick(self, start: float, end: float) -> None:
+        self.advance(max(0.0, start - self.monotonic()))
+        self.tick_end = end
+        opened, self._opened = self._opened, anyio.Event()
+        opened.set()
+
+    async def sleep_until(self, deadline: float) -> None:
+        while deadline > self.tick_end:
+            await self._opened.wait()
+        await super().sleep_until(deadline)
 
 
 class TimedLedger:
@@ -69,7 +94,7 @@ async def child(dsn: str, ticks: int, budget: int) -> dict[str, Any]:
     broker = Broker(url=common.AMQP_URL, queue_type="quorum", publish_timeout_seconds=30)
     await broker.connect()
     await broker.declare_destination(common.DESTINATION, common.READY_QUEUE)
-    clock = ManualClock(start=1000.0, autojump=True)
+    clock = TickClock(start=1000.0)
     params = pacer.PacingParams(
         tick_seconds=TICK_SECONDS,
         initial_rate=budget / TICK_SECONDS,
@@ -95,9 +120,8 @@ async def child(dsn: str, ticks: int, budget: int) -> dict[str, Any]:
     admitted = 0
     try:
         for k in range(ticks + 3):
-            target = 1000.0 + (k + 1) * TICK_SECONDS
-            if target > clock.monotonic():
-                clock.advance(target - clock.monotonic())
+            start = 1000.0 + k * TICK_SECONDS
+            clock.open_tick(start, start + TICK_SECONDS)
             t0 = time.perf_counter()
             result = await admission.run_once()
             if k >= 3:  # the first ticks warm up the pacer (slow start, credit)
