@@ -12,6 +12,7 @@ in-memory fakes.
 from __future__ import annotations
 
 import math
+import zlib
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -39,6 +40,15 @@ log = structlog.get_logger("pacerd.admission")
 
 MAX_SLICES_PER_TICK = 50  # sub-tick pacing granularity: at most 50 release points a tick
 MARKS_PER_TICK = 5  # mark-offered statements a tick, off the release schedule
+# A tick's release points lie on a grid shifted by up to PHASE_SPAN_SECONDS (at
+# most one spacing), by an amount that changes every tick (a golden-ratio
+# sequence seeded by instance and destination): senders sharing an upstream do
+# not release in lockstep, so which of them finds the upstream's bucket empty
+# does not depend on a fixed phase between their ticks. (Two instances with the
+# same tick released at the same instants, and the one that came second took
+# most refusals for tens of seconds: shares stuck near 60/40.)
+PHASE_STEP = (math.sqrt(5.0) - 1.0) / 2.0
+PHASE_SPAN_SECONDS = 0.02  # enough to interleave senders, small against a tick
 # Publishes awaiting their confirm, at most: enough for the broker's full
 # confirm throughput (it is reached near 1,000 in flight), and a release that
 # finds no room waits for confirms instead of piling up publishes whose
@@ -226,6 +236,8 @@ class DestinationAdmission:
         self._broker_retry_at: float | None = None
         self.stop: anyio.Event | None = None
         self._reset_requested = False
+        seed = zlib.crc32(f"{config.instance}/{config.destination}".encode())
+        self._phase = seed / 2**32
 
     def reset(self) -> None:
         """Forget local state (on losing leadership): the next leader, or this
@@ -380,6 +392,7 @@ class DestinationAdmission:
         from the tick's start (live ones first), in at most
         ``MAX_SLICES_PER_TICK`` release slices, each one ``publish_many`` with
         its confirms pipelined; a slice due while the claim ran goes at once.
+        The release points lie on a grid shifted every tick (``PHASE_STEP``).
         Confirmed jobs are marked offered up to ``MARKS_PER_TICK`` times a
         tick, off the release schedule (a slow mark never delays a release).
         Stops early on shutdown or when the destination closes mid-tick (a
@@ -390,13 +403,16 @@ class DestinationAdmission:
         offsets = pacer.publish_offsets(plan, sum(job.live for job in jobs), len(jobs))
         tick = self.config.params.tick_seconds
         grain = tick / MAX_SLICES_PER_TICK
+        self._phase = (self._phase + PHASE_STEP) % 1.0
+        shift = self._phase * min(grain, PHASE_SPAN_SECONDS)
         slices: list[tuple[float, list[ClaimedJob]]] = []
         for job, offset in zip(jobs, offsets, strict=True):
-            at = math.ceil(offset / grain - 1e-9) * grain  # never before the pacer's offset
+            # the release point on the tick's shifted grid, never before the pacer's offset
+            at = shift + math.ceil((offset - shift) / grain - 1e-9) * grain
             if not slices or slices[-1][0] != at:
                 slices.append((at, []))
             slices[-1][1].append(job)
-        next_check = self.clock.monotonic() + CLOSED_CHECK_SECONDS
+        next_check = started  # the first release looks: the claim and the shift took time
         room = _Room(MAX_UNCONFIRMED)
         marking = anyio.CancelScope()  # cancelled once every slice is out
 

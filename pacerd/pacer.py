@@ -16,7 +16,9 @@ The law, per destination:
   episode.
 - **Cut.** The capacity estimate is the accepted rate of what was sent,
   ``sent * (1 - refused/outcomes)``; the rate is cut to ``estimate * (1 -
-  decrease_margin)`` and that estimate becomes the remembered *ceiling*. A heavy
+  decrease_margin)``, and so is the remembered *ceiling*: every cut has that
+  proportional part, which is what brings senders sharing an upstream to equal
+  shares (their refusal counts, not their rates, set the rest of it). A heavy
   episode (refusal ratio above ``HEAVY_RATIO``, or the end of slow start) means
   the window mixes outcomes from before and after a capacity change, so its
   estimate is only an upper bound: the rate drops to the floor and, while the
@@ -31,13 +33,19 @@ The law, per destination:
   increase, this keeps the cost of a probe (refusals per overshoot) independent
   of the tick length and of the upstream's latency. Before a destination's
   first episode it grows ``slow_start_factor`` per round trip, never faster than
-  that factor times the accepted rate. A refusal below the episode threshold
-  while at or above the ceiling holds the rate.
+  that factor times the accepted rate; it ends on a window with enough
+  evidence (``refusal_min_count / refusal_threshold`` outcomes, or a heavy
+  window with ``START_MIN_FACTOR * refusal_min_count`` refusals: a few
+  refusals in a small sample may be another sender's probe). A refusal below
+  the episode threshold while at or above the ceiling holds the rate and voids
+  the evidence of growth below (the upstream was empty just then).
 - **Stale ceiling.** A token-bucket upstream can absorb, unrefused, what the
   destination left unused since the bucket was last seen empty (``saved``).
-  When the volume sent above the ceiling (``surplus``) exceeds that — plus one
-  round trip of slack and the estimate's error — the capacity has grown: the
-  increase then doubles every round trip until the next episode.
+  When the volume sent above the ceiling (``surplus``) exceeds that by twice
+  the slack (a round trip of outcomes on their way and the estimate's error;
+  twice, so that another sender's brief cut is not taken for growth), the
+  capacity has grown: the increase then doubles every round trip until the
+  next episode.
 - **Retry-After.** The destination is closed until it passes (the ledger holds
   the deadline, ``cooldown_remaining_s``); the ceiling is remembered from the
   delivered rate; on reopening the rate is ``ceiling_resume_fraction`` of it and
@@ -67,6 +75,7 @@ SOFT_FACTOR = 1.25  # an unconfirmed ceiling is taken as stale only this far abo
 STALE_HORIZON_S = 30.0  # horizon of the ceiling's error when testing it for staleness
 LIVE_PACE = 0.95  # live jobs are published at this fraction of the ceiling's pace
 DELIVERED_TICKS = 2.0  # time constant of the delivered-rate average, in ticks
+START_MIN_FACTOR = 4  # a heavy window ends slow start with this many x refusal_min_count
 _MONOTONIC = ("last_tick", "deadline")  # never persisted
 
 
@@ -337,10 +346,12 @@ def update_rate(
             return state
         rtt, seen = state.round_trip_s, state.since_cut_s
         return replace(state, episode=False, round_trip_s=0.7 * rtt + 0.3 * seen if rtt else seen)
-    if episode and state.ceiling is None and not _heavy(f_ref, f_n, p):
+    if episode and state.ceiling is None:
         # slow start ends on evidence: a couple of refusals in a small sample
         # may be someone else's probe
-        episode = f_n * p.refusal_threshold >= p.refusal_min_count
+        episode = f_n * p.refusal_threshold >= p.refusal_min_count or (
+            _heavy(f_ref, f_n, p) and f_ref >= START_MIN_FACTOR * p.refusal_min_count
+        )
     if episode:
         state = _cut(state, f_ref, f_n, sent, p)
         if demand is None:  # a leader's first tick: the bucket may have refilled
@@ -349,7 +360,8 @@ def update_rate(
     if paused or not _has_demand(demand):
         return state
     if f_ref > 0 and state.ceiling is not None and state.rate >= state.ceiling:
-        return state  # refusals under the threshold: hold, do not grow into them
+        # refusals under the threshold: hold, do not grow into them
+        return replace(state, ladder=0.0, saved=0.0, surplus=0.0)
     return _grow(state, dt, accepted_rate, p)
 
 
@@ -369,7 +381,7 @@ def _cut(
     return replace(
         state,
         rate=_clamp(rate, p),
-        ceiling=est,
+        ceiling=est if heavy else est * (1.0 - p.decrease_margin),
         firm=not heavy,
         epoch=state.epoch + 1,
         episode=True,
@@ -426,7 +438,9 @@ def _grow(state: PacerState, dt: float, accepted_rate: float, p: PacingParams) -
     elif ladder > 0:
         ladder *= 2.0 ** (dt / rtt)
         rate += ladder * dt / rtt
-    elif state.surplus > state.saved + slack and rate > c * (1.0 if state.firm else SOFT_FACTOR):
+    elif state.surplus > state.saved + 2.0 * slack and rate > c * (
+        1.0 if state.firm else SOFT_FACTOR
+    ):
         ladder = step  # the ceiling is stale: the upstream has grown
         rate += ladder
     elif rate < low and not state.firm:

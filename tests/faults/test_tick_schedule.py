@@ -9,6 +9,7 @@ result is exact and takes no real time."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import heapq
 import itertools
@@ -359,3 +360,126 @@ async def test_a_ledger_lost_mid_tick_stops_the_tick_not_the_loop() -> None:
     later = [r for t, r in ticks.done if t >= 2.0]
     assert len(later) >= 3
     assert all(r.claimed > 0 and r.released == 0 for r in later)
+
+
+class FreeCosts(Costs):
+    """Operations that take no time: only the release schedule moves the clock."""
+
+    async def operation(self, count: int = 1) -> None:
+        await anyio.lowlevel.checkpoint()
+
+
+class RecordingPublisher(BatchPublisher):
+    """Records each release: (start of the tick publishing it, time)."""
+
+    def __init__(self, clock: VirtualClock, starts: list[float]) -> None:
+        self.clock, self.starts = clock, starts
+        self.releases: list[tuple[float, float]] = []
+
+    async def publish_many(
+        self, jobs: Sequence[ClaimedJob], headers: object
+    ) -> list[PublishError | None]:
+        self.releases.append((self.starts[-1], self.clock.monotonic()))
+        return [None] * len(jobs)
+
+
+class TickStarts(Ticks):
+    """Also records when each tick starts."""
+
+    def __init__(self, clock: VirtualClock, stop: anyio.Event, until: float) -> None:
+        super().__init__(clock, stop, until)
+        self.starts: list[float] = []
+
+    @contextlib.contextmanager
+    def tick_span(self, *_args: object, **_kwargs: object) -> Iterator[Any]:
+        self.starts.append(self.clock.monotonic())
+        yield {}
+
+
+async def _release_times(destination: str, ticks: int) -> list[list[float]]:
+    """Each tick's release times, relative to its start (rate 100/s, tick 1 s)."""
+    clock = VirtualClock()
+    stop = anyio.Event()
+    recorder = TickStarts(clock, stop, until=ticks - 0.5)
+    publisher = RecordingPublisher(clock, recorder.starts)
+    params = PacingParams(
+        tick_seconds=1.0, initial_rate=100.0, min_rate=100.0, max_rate=100.0,
+        max_inflight=1_000_000,
+    )  # fmt: skip
+    admission = DestinationAdmission(
+        ledger=SlowLedger(clock, FreeCosts(clock)), publisher=publisher, clock=clock,
+        config=AdmissionConfig(destination=destination, queue="q", params=params),
+        observer=recorder,
+    )  # fmt: skip
+    with anyio.fail_after(60):  # real seconds
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(clock.drive, ticks + 1.0)
+            await run_destination(admission, stop=stop)
+            tg.cancel_scope.cancel()
+    return [
+        [t - start for tick, t in publisher.releases if tick == start] for start in recorder.starts
+    ]
+
+
+async def test_release_points_shift_from_tick_to_tick_and_between_senders() -> None:
+    """A tick releases on one grid of 50 points (20 ms apart at a 1 s tick)
+    shifted by less than 20 ms from its start, never before the pacer's offsets
+    (100 jobs evenly: one every 10 ms); the shift changes every tick and differs
+    between destinations, so two senders do not release in lockstep."""
+    grain = 1.0 / 50
+    shifts: dict[str, list[float]] = {}
+    for destination in ("a", "b"):
+        per_tick = await _release_times(destination, ticks=4)
+        assert len(per_tick) >= 4
+        shifts[destination] = []
+        for times in per_tick[:4]:
+            assert 50 <= len(times) <= 51  # 100 jobs, two a point; the shift may split the ends
+            shift = times[0] % grain
+            assert all(abs((t - shift) / grain - round((t - shift) / grain)) < 1e-6 for t in times)
+            assert 0.0 <= times[0] < 0.02 + 1e-9
+            assert times[-1] < 1.0 + 0.02
+            shifts[destination].append(shift)
+        assert len({round(x, 6) for x in shifts[destination]}) == 4
+    assert all(round(a, 6) != round(b, 6) for a, b in zip(shifts["a"], shifts["b"], strict=True))
+
+
+class ClosingLedger(SlowLedger):
+    """Its destination closes (a Retry-After reported) right after the tick's
+    own read of it, before the tick releases anything."""
+
+    def __init__(self, clock: VirtualClock, costs: Costs) -> None:
+        super().__init__(clock, costs)
+        self.reads = 0
+        self.released: list[JobRef] = []
+
+    async def read_destination(self, destination: str) -> DestinationRow:
+        row = await super().read_destination(destination)
+        self.reads += 1
+        if self.reads == 1:
+            return row
+        until = self.clock.now() + dt.timedelta(seconds=30)
+        return dataclasses.replace(row, cooldown_until=until)
+
+    async def release_claims(self, refs: Sequence[JobRef], **_: object) -> list[JobRef]:
+        self.released.extend(refs)
+        return list(refs)
+
+
+async def test_a_retry_after_reported_after_the_tick_read_stops_its_first_release() -> None:
+    clock = VirtualClock()
+    ledger = ClosingLedger(clock, FreeCosts(clock))
+    publisher = RecordingPublisher(clock, [0.0])
+    params = PacingParams(tick_seconds=1.0, initial_rate=100.0, min_rate=100.0, max_rate=100.0)
+    admission = DestinationAdmission(
+        ledger=ledger, publisher=publisher, clock=clock,
+        config=AdmissionConfig(destination="d", queue="q", params=params),
+    )  # fmt: skip
+    with anyio.fail_after(60):  # real seconds
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(clock.drive, 2.0)
+            result = await admission.run_once()
+            tg.cancel_scope.cancel()
+    assert result.claimed == 100
+    assert (result.offered, result.released) == (0, 100)
+    assert publisher.releases == []
+    assert len(ledger.released) == 100

@@ -21,12 +21,7 @@ def runs(request: pytest.FixtureRequest) -> Runs:
 
 # Known misses: the target stays as written and the test fails loudly (strict)
 # the day the law meets it.
-KNOWN_MISSES = {
-    ("S2", "jain_min"): "two instances reach a fair share in 220 s on the worst seed (Jain 0.910"
-    " at 120 s), not within the 120 s the target asks: the measured-rate cuts are close to"
-    " additive between instances; a larger increase step or a proportional cut floor converges"
-    " faster but breaks S1's oscillation or S7's utilization targets",
-}
+KNOWN_MISSES: dict[tuple[str, str], str] = {}
 
 CASES = [
     pytest.param(
