@@ -194,6 +194,17 @@ class Ticks:
             self.stop.set()
 
 
+async def run_loop(
+    clock: VirtualClock, admission: DestinationAdmission, stop: anyio.Event, seconds: float
+) -> None:
+    """``run_destination`` until ``stop``, the virtual clock driven for ``seconds``."""
+    with anyio.fail_after(60):  # real seconds
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(clock.drive, seconds)
+            await run_destination(admission, stop=stop)
+            tg.cancel_scope.cancel()
+
+
 async def test_a_busy_tick_ends_by_its_deadline_and_the_loop_admits_its_rate() -> None:
     clock = VirtualClock()
     stop = anyio.Event()
@@ -208,11 +219,7 @@ async def test_a_busy_tick_ends_by_its_deadline_and_the_loop_admits_its_rate() -
         ledger=ledger, publisher=SlowPublisher(costs), clock=clock,
         config=AdmissionConfig(destination="d", queue="q", params=params), observer=ticks,
     )  # fmt: skip
-    with anyio.fail_after(60):  # real seconds
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(clock.drive, SIMULATED_SECONDS + 1)
-            await run_destination(admission, stop=stop)
-            tg.cancel_scope.cancel()
+    await run_loop(clock, admission, stop, SIMULATED_SECONDS + 1)
     busy = [t for t, r in ticks.done if r.claimed > 0]
     gaps = sorted(b - a for a, b in itertools.pairwise(busy))
     median_gap = gaps[len(gaps) // 2]
@@ -255,11 +262,7 @@ async def test_after_confirm_timeouts_admission_backs_off_and_probes_with_one_jo
         ledger=ledger, publisher=publisher, clock=clock,
         config=AdmissionConfig(destination="d", queue="q", params=params), observer=ticks,
     )  # fmt: skip
-    with anyio.fail_after(60):  # real seconds
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(clock.drive, 21.0)
-            await run_destination(admission, stop=stop)
-            tg.cancel_scope.cancel()
+    await run_loop(clock, admission, stop, 21.0)
     stalled = [r for t, r in ticks.done if t < stalled_until]
     probes = [r for r in stalled if r.claimed == 1]
     # the first tick's budget times out; after it, one job at a time, ever more rarely
@@ -306,11 +309,7 @@ async def test_releases_wait_for_confirms_when_the_broker_lags_the_rate() -> Non
         ledger=SlowLedger(clock, Costs(clock)), publisher=publisher, clock=clock,
         config=AdmissionConfig(destination="d", queue="q", params=params), observer=ticks,
     )  # fmt: skip
-    with anyio.fail_after(60):  # real seconds
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(clock.drive, 60.0)
-            await run_destination(admission, stop=stop)
-            tg.cancel_scope.cancel()
+    await run_loop(clock, admission, stop, 60.0)
     assert publisher.peak <= MAX_UNCONFIRMED
     # the broker's pace (1,000 per 0.5 s), not the rate's, and nothing failed for it
     assert all(r.released == 0 for _, r in ticks.done)
@@ -347,11 +346,7 @@ async def test_a_ledger_lost_mid_tick_stops_the_tick_not_the_loop() -> None:
         ledger=ledger, publisher=SlowConfirms(clock, 0.01), clock=clock,
         config=AdmissionConfig(destination="d", queue="q", params=params), observer=ticks,
     )  # fmt: skip
-    with anyio.fail_after(60):  # real seconds
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(clock.drive, 30.0)
-            await run_destination(admission, stop=stop)  # raises nothing
-            tg.cancel_scope.cancel()
+    await run_loop(clock, admission, stop, 30.0)  # raises nothing
     assert ledger.failed_calls > 0
     (stopped,) = [(t, r) for t, r in ticks.done if r.released > 0]
     assert 1.3 < stopped[0] < 2.0
@@ -411,11 +406,7 @@ async def _release_times(destination: str, ticks: int) -> list[list[float]]:
         config=AdmissionConfig(destination=destination, queue="q", params=params),
         observer=recorder,
     )  # fmt: skip
-    with anyio.fail_after(60):  # real seconds
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(clock.drive, ticks + 1.0)
-            await run_destination(admission, stop=stop)
-            tg.cancel_scope.cancel()
+    await run_loop(clock, admission, stop, ticks + 1.0)
     return [
         [t - start for tick, t in publisher.releases if tick == start] for start in recorder.starts
     ]
