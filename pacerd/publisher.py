@@ -1,6 +1,6 @@
 """The broker side: RabbitMQ through aio-pika (connection, channels,
-declarations) and its aiormq channels underneath (publishing and consuming,
-where aio-pika's per-message wrappers cost a tenth of the daemon's CPU).
+declarations) and the aiormq channels underneath them (publishing and
+consuming, per message).
 
 Owns the AMQP connection, the topology pacerd declares (DESIGN.md,
 "Messages"), publishing ready work with publisher confirms and ``mandatory``,
@@ -381,18 +381,15 @@ class DeliveryBatches:
                 self._queue.put_nowait(None)
                 break
             messages.append(message)
-        deliveries = []
-        for m in messages:
-            props = m.header.properties
-            deliveries.append(
-                Delivery(
-                    body=m.body,
-                    message_id=props.message_id,
-                    headers=dict(props.headers or {}),
-                    delivery_tag=m.delivery_tag or 0,
-                )
+        return [
+            Delivery(
+                body=m.body,
+                message_id=m.header.properties.message_id,
+                headers=dict(m.header.properties.headers or {}),
+                delivery_tag=m.delivery_tag or 0,
             )
-        return deliveries
+            for m in messages
+        ]
 
     async def ack(self, deliveries: Sequence[Delivery]) -> None:
         """Acknowledges every delivery of a batch (one frame: ``multiple``)."""

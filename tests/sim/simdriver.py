@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
     from pacerd.errors import PublishError
     from pacerd.models import JobRef
-    from pacerd.pacer import Demand, OutcomeWindow, PacerState, PacingParams, TickPlan
+    from pacerd.pacer import Demand, OutcomeWindow, PacerState, TickPlan
 
 
 def destination_name(ledger: int) -> str:
@@ -69,21 +69,9 @@ class TickProbe:
         demand: Demand | None,
         *,
         now: float,
-        inflight: int,
-        params: PacingParams,
-        cooldown_remaining_s: float = 0.0,
-        paused: bool = False,
+        **kwargs: Any,
     ) -> tuple[PacerState, TickPlan]:
-        state, plan = self.law(
-            state,
-            window,
-            demand,
-            now=now,
-            inflight=inflight,
-            params=params,
-            cooldown_remaining_s=cooldown_remaining_s,
-            paused=paused,
-        )
+        state, plan = self.law(state, window, demand, now=now, **kwargs)
         self.current = TickRecord(
             t=self.time.t,
             instance=self.instance,
