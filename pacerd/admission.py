@@ -25,7 +25,7 @@ from pacerd.errors import BrokerUnavailable, LedgerError, PacerdError, PublishTi
 
 if TYPE_CHECKING:
     import datetime as dt
-    from collections.abc import Callable, Mapping, Sequence
+    from collections.abc import Awaitable, Callable, Mapping, Sequence
     from contextlib import AbstractContextManager
 
     from pacerd.clock import Clock
@@ -54,6 +54,12 @@ PHASE_SPAN_SECONDS = 0.02  # enough to interleave senders, small against a tick
 # finds no room waits for confirms instead of piling up publishes whose
 # confirms then outlast the publish timeout.
 MAX_UNCONFIRMED = 1000
+# A tick's claim is taken in chunks of at most CLAIM_CHUNK jobs: the first
+# release goes out once the first chunk is in, and each next chunk is claimed
+# while the jobs before it publish, staying about one chunk ahead. (One
+# statement for a 10,000-job budget held every release of the tick back by
+# ~200 ms.) A budget within one chunk is one statement, as it always was.
+CLAIM_CHUNK = 1000
 # The destination's pause and cool-down are looked at again before each
 # release slice (at most ~50 PK reads a second while the tick publishes): a
 # Retry-After reported mid-tick stops the releases at the next slice.
@@ -185,6 +191,78 @@ class _Room:
         self.used -= n
         self._freed.set()
         self._freed = anyio.Event()
+
+
+class _Claims:
+    """A tick's claim, in chunks of at most ``CLAIM_CHUNK`` jobs (live ones
+    first within each). ``jobs`` grows as chunks come in; ``done`` once the
+    limit is reached, a chunk comes short (the backlog ran out), a later
+    chunk failed (the tick publishes what it has) or the tick stopped
+    claiming."""
+
+    def __init__(
+        self,
+        claim: Callable[[int, int], Awaitable[list[ClaimedJob]]],
+        *,
+        limit: int,
+        live_limit: int,
+    ) -> None:
+        self._claim = claim  # (live_limit, limit) -> jobs
+        self.limit = limit
+        self.live_left = live_limit
+        self.jobs: list[ClaimedJob] = []
+        self.done = limit <= 0
+        self.claiming = False
+        self._changed = anyio.Event()
+
+    async def next_chunk(self) -> None:
+        """Claims the next chunk (the tick's first: a failure fails the tick)."""
+        self.claiming = True
+        await self._chunk()
+
+    def claim_ahead(self, tg: anyio.abc.TaskGroup, end: int) -> None:
+        """Starts claiming the next chunk in ``tg`` if less than one chunk is
+        claimed beyond the slice ending at ``end`` and none is in flight."""
+        if self.done or self.claiming or len(self.jobs) >= end + CLAIM_CHUNK:
+            return
+        self.claiming = True  # now, so that no second chunk starts meanwhile
+        tg.start_soon(self._later_chunk)
+
+    async def wait_for(self, end: int) -> None:
+        """Until ``jobs`` reaches ``end`` or no more will come."""
+        while len(self.jobs) < end and not self.done:
+            if self.claiming:
+                await self._changed.wait()
+            else:
+                self.claiming = True
+                await self._later_chunk()
+
+    async def _later_chunk(self) -> None:
+        """A chunk after the first: a ledger failure ends the claim, not the
+        tick (what was claimed is published; the next tick meets the ledger)."""
+        try:
+            await self._chunk()
+        except LedgerError as exc:
+            log.warning("claim_stopped", claimed=len(self.jobs), error=str(exc))
+            self.done = True
+
+    async def _chunk(self) -> None:
+        size = min(CLAIM_CHUNK, self.limit - len(self.jobs))
+        try:
+            got = await self._claim(min(self.live_left, size), size)
+            got.sort(key=lambda job: not job.live)  # live first, order kept
+            self.jobs.extend(got)
+            self.live_left -= sum(job.live for job in got)
+            if len(got) < size or len(self.jobs) >= self.limit:
+                self.done = True
+        finally:
+            self.claiming = False
+            self._changed.set()
+            self._changed = anyio.Event()
+
+    def stop(self) -> None:
+        """No more chunks (one in flight completes)."""
+        self.done = True
 
 
 def counters_window(
@@ -324,18 +402,11 @@ class DestinationAdmission:
         elif skipped is None and plan.budget > 0:
             probing = self._broker_retry_at is not None  # one job, to see the broker take it
             limit = 1 if probing else plan.budget
-            with self._span("claim", dest, limit=limit):
-                claimed = await self.ledger.claim_due(
-                    dest,
-                    live_limit=min(plan.live_budget, limit),
-                    limit=limit,
-                    claim_seconds=cfg.claim_seconds,
-                    epoch=state.epoch,
-                    live_window_seconds=cfg.params.live_window_seconds,
-                    instance=cfg.instance,
-                )
+            claims = _Claims(self._claim_chunk, limit=limit, live_limit=plan.live_budget)
+            await claims.next_chunk()  # a failure here fails the tick; later ones end the claim
+            claimed = claims.jobs
             if claimed:
-                outcome = await self._publish_spread(claimed, plan, started=now)
+                outcome = await self._publish_spread(claims, plan, started=now)
                 self._after_publishing(outcome)
         admitted = would_admit if cfg.shadow else len(claimed)
         self._demand = pacer.Demand(
@@ -378,6 +449,21 @@ class DestinationAdmission:
             self.observer.tick_completed(result)
         return result
 
+    async def _claim_chunk(self, live_limit: int, limit: int) -> list[ClaimedJob]:
+        """One claim statement of the tick (``_Claims`` sizes it)."""
+        cfg = self.config
+        assert self.state is not None
+        with self._span("claim", cfg.destination, limit=limit):
+            return await self.ledger.claim_due(
+                cfg.destination,
+                live_limit=min(live_limit, limit),
+                limit=limit,
+                claim_seconds=cfg.claim_seconds,
+                epoch=self.state.epoch,
+                live_window_seconds=cfg.params.live_window_seconds,
+                instance=cfg.instance,
+            )
+
     def _span(self, name: str, destination: str, **attributes: int) -> AbstractContextManager[Any]:
         if self.observer is None:
             return nullcontext()
@@ -386,35 +472,41 @@ class DestinationAdmission:
         return self.observer.mark_offered_span(destination, count=attributes["count"])
 
     async def _publish_spread(
-        self, claimed: Sequence[ClaimedJob], plan: pacer.TickPlan, *, started: float
+        self, claims: _Claims, plan: pacer.TickPlan, *, started: float
     ) -> _Publishing:
-        """Publishes the claimed jobs across the tick at the pacer's offsets
-        from the tick's start (live ones first), in at most
+        """Publishes the tick's claimed jobs across the tick at the pacer's
+        offsets from the tick's start (live ones first), in at most
         ``MAX_SLICES_PER_TICK`` release slices, each one ``publish_many`` with
         its confirms pipelined; a slice due while the claim ran goes at once.
-        The release points lie on a grid shifted every tick (``PHASE_STEP``).
-        Confirmed jobs are marked offered up to ``MARKS_PER_TICK`` times a
-        tick, off the release schedule (a slow mark never delays a release).
-        Stops early on shutdown or when the destination closes mid-tick (a
-        Retry-After or a pause reported meanwhile), and releases what it did
-        not publish."""
+        ``claims`` holds the first chunk; the next ones are claimed as the
+        slices go out (``CLAIM_CHUNK``), and the offsets are laid out for
+        the whole limit while chunks keep coming full. The release points lie
+        on a grid shifted every tick (``PHASE_STEP``). Confirmed jobs are
+        marked offered up to ``MARKS_PER_TICK`` times a tick, off the release
+        schedule (a slow mark never delays a release). Stops early on
+        shutdown or when the destination closes mid-tick (a Retry-After or a
+        pause reported meanwhile), and releases every claimed job it did not
+        publish (cancelled too: the tick's leadership lost)."""
         outcome = _Publishing()
-        jobs = sorted(claimed, key=lambda job: not job.live)  # live first, order kept
-        offsets = pacer.publish_offsets(plan, sum(job.live for job in jobs), len(jobs))
+        first = claims.jobs
+        expected = len(first) if claims.done else claims.limit
+        offsets = pacer.publish_offsets(plan, sum(job.live for job in first), expected)
         tick = self.config.params.tick_seconds
         grain = tick / MAX_SLICES_PER_TICK
         self._phase = (self._phase + PHASE_STEP) % 1.0
         shift = self._phase * min(grain, PHASE_SPAN_SECONDS)
-        slices: list[tuple[float, list[ClaimedJob]]] = []
-        for job, offset in zip(jobs, offsets, strict=True):
+        slices: list[tuple[float, int]] = []  # (release point, end index)
+        for index, offset in enumerate(offsets):
             # the release point on the tick's shifted grid, never before the pacer's offset
             at = shift + math.ceil((offset - shift) / grain - 1e-9) * grain
-            if not slices or slices[-1][0] != at:
-                slices.append((at, []))
-            slices[-1][1].append(job)
+            if slices and slices[-1][0] == at:
+                slices[-1] = (at, index + 1)
+            else:
+                slices.append((at, index + 1))
         next_check = started  # the first release looks: the claim and the shift took time
         room = _Room(MAX_UNCONFIRMED)
         marking = anyio.CancelScope()  # cancelled once every slice is out
+        sent = 0  # claims.jobs[:sent] went to a slice (which settles them)
 
         async def mark_periodically() -> None:
             with marking:
@@ -425,20 +517,28 @@ class DestinationAdmission:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(mark_periodically)
-                for index, (at, group) in enumerate(slices):
+                for at, end in slices:
+                    claims.claim_ahead(tg, end)
                     await self.clock.sleep_until(started + at)
+                    await claims.wait_for(end)
+                    group = claims.jobs[sent:end]
+                    if not group:
+                        break  # the claim came short: the backlog ran out
                     if self.clock.monotonic() >= next_check:
                         next_check = self.clock.monotonic() + CLOSED_CHECK_SECONDS
                         outcome.closed = await self._closed_meanwhile()
                     if outcome.closed or (self.stop is not None and self.stop.is_set()):
                         outcome.stopped = not outcome.closed
-                        outcome.failed.extend(j.ref for _, rest in slices[index:] for j in rest)
                         break
                     await room.take(len(group))
+                    sent += len(group)
                     tg.start_soon(self._publish_slice, group, outcome, room)
+                claims.stop()  # a chunk in flight completes; its jobs are released below
                 marking.cancel()  # the rest is marked once every slice has its confirms
         finally:
             marking.cancel()
+            claims.stop()
+            outcome.failed.extend(job.ref for job in claims.jobs[sent:])
             with anyio.CancelScope(shield=True):
                 await self._flush_confirmed(outcome, final=True)
                 if outcome.failed:
