@@ -1,0 +1,165 @@
+"""``publisher.write_batch``: a release slice written as one frame buffer on
+aiormq's channel, its confirmations settled by the channel itself. Held to
+the real broker case by case: large bodies, aiormq's tables left clean, other
+publishes on the same channel, a timeout, a channel closed under the batch —
+and, without a broker, the tags given back when the write never happens."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import uuid
+from typing import Any
+
+import aio_pika
+import aiormq
+import pytest
+
+from pacerd.errors import BrokerUnavailable, PublishTimeout
+from pacerd.models import ClaimedJob
+from pacerd.publisher import READY_EXCHANGE, Broker, ready_queue_name, write_batch
+
+
+def _job(job_id: str, destination: str, payload: str = '{"n": 1}') -> ClaimedJob:
+    return ClaimedJob(
+        job_id=job_id, kind="k", destination=destination, attempt=1, revision=0,
+        payload_json=payload, cursor_json=None,
+        eligible_at=dt.datetime(2025, 1, 1, tzinfo=dt.UTC), live=False,
+    )  # fmt: skip
+
+
+async def _broker(amqp_url: str, *, publish_timeout: float = 10.0) -> tuple[Broker, str]:
+    destination = f"batch-{uuid.uuid4().hex[:8]}"
+    broker = Broker(url=amqp_url, publish_timeout_seconds=publish_timeout)
+    await broker.connect()
+    await broker.declare_destination(destination, ready_queue_name(destination))
+    return broker, destination
+
+
+async def _drain(amqp_url: str, destination: str) -> list[aio_pika.abc.AbstractIncomingMessage]:
+    connection = await aio_pika.connect(amqp_url)
+    try:
+        channel = await connection.channel()
+        queue = await channel.get_queue(ready_queue_name(destination), ensure=False)
+        got = []
+        while (message := await queue.get(fail=False, no_ack=True)) is not None:
+            got.append(message)
+        await channel.queue_delete(ready_queue_name(destination))
+        return got
+    finally:
+        await connection.close()
+
+
+def _tables(broker: Broker) -> tuple[int, int]:
+    underlay: Any = broker._underlay
+    return len(underlay.confirmations), len(underlay.message_id_delivery_tag)
+
+
+async def test_bodies_larger_than_a_frame_arrive_whole_and_the_tables_are_left_clean(
+    amqp_url: str,
+) -> None:
+    broker, destination = await _broker(amqp_url)
+    try:
+        big = json.dumps({"blob": "x" * 300_000})  # over two frames of 128 KiB
+        jobs = [_job(f"j{i}", destination, big if i % 2 else '{"n": 1}') for i in range(20)]
+        jobs.append(_job("lost", "batch-nowhere"))  # returned: unroutable
+        results = await broker.publish_many(jobs, [{}] * len(jobs))
+        assert [r is None for r in results] == [True] * 20 + [False]
+        await asyncio.sleep(0.1)  # the done callbacks run
+        assert _tables(broker) == (0, 0)
+        got = await _drain(amqp_url, destination)
+        bodies = {m.message_id: json.loads(m.body) for m in got}
+        assert len(bodies) == 20
+        assert all(
+            bodies[f"j{i}:1"]["payload"] == json.loads(jobs[i].payload_json) for i in range(20)
+        )
+    finally:
+        await broker.close()
+
+
+async def test_other_publishes_on_the_channel_keep_their_own_confirms(amqp_url: str) -> None:
+    broker, destination = await _broker(amqp_url)
+    try:
+        batches = [[_job(f"b{b}-{i}", destination) for i in range(200)] for b in range(3)]
+
+        async def raw(i: int) -> None:
+            await broker.publish_raw(destination, b"{}", exchange=READY_EXCHANGE)
+
+        results = await asyncio.gather(
+            *(broker.publish_many(batch, [{}] * len(batch)) for batch in batches),
+            *(raw(i) for i in range(50)),
+        )
+        assert all(r is None for batch in results[:3] for r in batch)  # type: ignore[union-attr]
+        assert len(await _drain(amqp_url, destination)) == 3 * 200 + 50
+        await asyncio.sleep(0.1)
+        assert _tables(broker) == (0, 0)
+    finally:
+        await broker.close()
+
+
+async def test_a_timeout_fails_what_is_unconfirmed_and_the_channel_goes_on(amqp_url: str) -> None:
+    broker, destination = await _broker(amqp_url, publish_timeout=1e-6)
+    try:
+        jobs = [_job(f"t{i}", destination) for i in range(300)]
+        results = await broker.publish_many(jobs, [{}] * len(jobs))
+        assert all(r is None or isinstance(r, PublishTimeout) for r in results)
+        assert any(isinstance(r, PublishTimeout) for r in results)
+        broker.publish_timeout_seconds = 10.0
+        later = [_job(f"u{i}", destination) for i in range(100)]
+        assert await broker.publish_many(later, [{}] * len(later)) == [None] * 100
+        assert len(await _drain(amqp_url, destination)) == 400  # the broker took them all
+    finally:
+        await broker.close()
+
+
+async def test_a_channel_closed_under_the_batch_fails_it_as_broker_unavailable(
+    amqp_url: str,
+) -> None:
+    broker, destination = await _broker(amqp_url)
+    try:
+        jobs = [_job(f"c{i}", destination) for i in range(500)]
+        publishing = asyncio.ensure_future(broker.publish_many(jobs, [{}] * len(jobs)))
+        await asyncio.sleep(0)  # the batch is written; its confirms are awaited
+        underlay: Any = broker._underlay
+        await underlay.close()
+        results = await asyncio.wait_for(publishing, 10)
+        assert all(r is None or isinstance(r, BrokerUnavailable) for r in results)
+        assert any(isinstance(r, BrokerUnavailable) for r in results)
+        await _drain(amqp_url, destination)
+    finally:
+        await broker.close()
+
+
+class _BlockedChannel:
+    """aiormq's channel as ``write_batch`` sees it, its frame queue full."""
+
+    def __init__(self) -> None:
+        self.max_content_size = 131_064
+        self.delivery_tag = 41
+        self.confirmations: dict[int, Any] = {}
+        self.message_id_delivery_tag: dict[str, int] = {}
+        self.number = 1
+        self.write_queue: asyncio.Queue[object] = asyncio.Queue(maxsize=1)
+        self.write_queue.put_nowait(object())
+        self.lock = asyncio.Lock()
+
+    def create_future(self) -> asyncio.Future[Any]:
+        return asyncio.get_running_loop().create_future()
+
+
+async def test_a_batch_cancelled_before_its_write_gives_its_tags_back() -> None:
+    channel = _BlockedChannel()
+    props = aiormq.spec.Basic.Properties(message_id="m:1", delivery_mode=2)
+    writing = asyncio.ensure_future(write_batch(channel, [("x", "d", b"{}", props)] * 3))
+    await asyncio.sleep(0.01)
+    assert channel.delivery_tag == 44  # taken while waiting for room
+    writing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await writing
+    await asyncio.sleep(0)
+    assert (channel.delivery_tag, channel.confirmations, channel.message_id_delivery_tag) == (
+        41,
+        {},
+        {},
+    )
