@@ -15,7 +15,9 @@ Measures, each ``--repeat`` times (the median is printed):
 * raw end to end: claim 500 → publish all with confirms → mark offered, in a
   loop, no pacing; once with nobody consuming the ready queue and once with
   the no-op acking consumer that ``dispatch.py`` uses (the denominator of its
-  ratios).
+  ratios); and once more with the consumer, each batch's messages written as
+  one frame buffer (``publisher.write_batch``, as pacerd itself publishes):
+  the stricter limit, which ``dispatch.py`` reports beside the first.
 
 ``dispatch.py`` imports ``raw_end_to_end`` so that every ratio is taken
 against a limit measured in the same run. Needs the ``pacerd-bench`` vhost
@@ -36,7 +38,7 @@ from pamqp.commands import Basic
 
 from bench import common
 from pacerd.models import ClaimedJob
-from pacerd.publisher import ready_body
+from pacerd.publisher import ready_body, write_batch
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable
@@ -164,10 +166,19 @@ class RawRun:
 
 
 async def raw_end_to_end(
-    dsn: str, *, n: int, batch: int = 500, consumer: bool = True, reseed: bool = True
+    dsn: str,
+    *,
+    n: int,
+    batch: int = 500,
+    consumer: bool = True,
+    reseed: bool = True,
+    one_write: bool = False,
 ) -> RawRun:
     """Claim ``batch`` → publish all with confirms → mark offered, looped until
-    ``n`` jobs are offered. ``consumer`` runs the no-op acking worker."""
+    ``n`` jobs are offered. ``consumer`` runs the no-op acking worker.
+    ``one_write``: the batch's messages go out as one frame buffer
+    (``publisher.write_batch``, as pacerd publishes) instead of one
+    ``basic_publish`` each (the issue's definition of the raw loop)."""
     if reseed:
         await _reseed(dsn, n)
     await common.reset_queues()
@@ -186,9 +197,21 @@ async def raw_end_to_end(
             if not rows:
                 break
             jobs = [_job(r) for r in rows]
-            await asyncio.gather(
-                *(_publish(channel, ready_body(j), j.job_id, j.attempt) for j in jobs)
-            )
+            if one_write:
+                confirms = await write_batch(
+                    channel,
+                    [
+                        ("pacerd.ready", common.DESTINATION, ready_body(j),
+                         _properties(j.job_id, j.attempt))
+                        for j in jobs
+                    ],
+                )  # fmt: skip
+                if not all(isinstance(c, Basic.Ack) for c in await asyncio.gather(*confirms)):
+                    raise RuntimeError("a message was not acknowledged")
+            else:
+                await asyncio.gather(
+                    *(_publish(channel, ready_body(j), j.job_id, j.attempt) for j in jobs)
+                )
             await mark.fetch([j.job_id for j in jobs])
             done += len(jobs)
         return RawRun(
@@ -238,6 +261,10 @@ async def measure(jobs: int, repeat: int) -> list[tuple[str, float, str]]:
         await rep(
             "raw end to end, no-op acking consumer", "jobs/s",
             lambda: _rate(raw_end_to_end(dsn, n=jobs, consumer=True)),
+        )  # fmt: skip
+        await rep(
+            "raw end to end, no-op acking consumer, one write per batch", "jobs/s",
+            lambda: _rate(raw_end_to_end(dsn, n=jobs, consumer=True, one_write=True)),
         )  # fmt: skip
     finally:
         await common.reset_queues()

@@ -2,10 +2,14 @@
 
     python bench/noop_worker.py ack|report AMQP_URL QUEUE PREFETCH
 
-``ack``: acknowledges every ready message (the consumer of "dispatch alone").
-``report``: for each message publishes ``{"job_id", "attempt", "outcome": "ok"}``
-to the ``pacerd.outcomes`` exchange with publisher confirms, then acknowledges
-it (what a worker does, minus the work). Acks are batched with ``multiple``.
+Takes what the broker has delivered as one batch (up to the prefetch), then:
+
+``ack``: acknowledges the batch (the consumer of "dispatch alone").
+``report``: publishes one ``{"job_id", "attempt", "outcome": "ok"}`` message
+per job to the ``pacerd.outcomes`` exchange — persistent, ``mandatory``, the
+batch written as one frame buffer (``pacerd.publisher.write_batch``) — awaits
+every publisher confirm, then acknowledges the batch (what an at-least-once
+worker does, minus the work). One acknowledgement (``multiple``) per batch.
 Prints ``consuming`` once ready; stops on SIGTERM and prints the count.
 """
 
@@ -18,6 +22,18 @@ import sys
 
 import aiormq
 import uvloop
+from pamqp.commands import Basic
+
+from pacerd.publisher import OUTCOMES_EXCHANGE, write_batch
+
+
+def outcome_message(body: bytes) -> tuple[str, str, bytes, aiormq.spec.Basic.Properties]:
+    job = json.loads(body)
+    outcome = {"job_id": job["job_id"], "attempt": job["attempt"], "outcome": "ok"}
+    properties = aiormq.spec.Basic.Properties(
+        delivery_mode=2, message_id=f"{job['job_id']}:{job['attempt']}:ok"
+    )
+    return OUTCOMES_EXCHANGE, "", json.dumps(outcome).encode(), properties
 
 
 async def main(mode: str, url: str, queue: str, prefetch: int) -> None:
@@ -25,47 +41,37 @@ async def main(mode: str, url: str, queue: str, prefetch: int) -> None:
     consume = await connection.channel()
     await consume.basic_qos(prefetch_count=prefetch)
     publish = await connection.channel(publisher_confirms=True) if mode == "report" else None
+    inbox: asyncio.Queue[aiormq.abc.DeliveredMessage] = asyncio.Queue()
     done = 0
-    pending_tag = 0
-    acked_tag = 0
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
 
     async def on_message(message: aiormq.abc.DeliveredMessage) -> None:
-        nonlocal done, pending_tag
-        if publish is not None:
-            job = json.loads(message.body)
-            body = json.dumps(
-                {"job_id": job["job_id"], "attempt": job["attempt"], "outcome": "ok"}
-            ).encode()
-            await publish.basic_publish(
-                body,
-                exchange="pacerd.outcomes",
-                properties=aiormq.spec.Basic.Properties(delivery_mode=2),
-            )
-        done += 1
-        tag = message.delivery_tag or 0
-        if tag > pending_tag:
-            pending_tag = tag
+        inbox.put_nowait(message)
 
-    async def acker() -> None:
-        # Acks with `multiple` every few ms: cheap for the worker, so it steals
-        # as little CPU as possible from what is measured. (A benchmark
-        # shortcut: a real worker acks each message after its own confirm.)
-        nonlocal acked_tag
-        while not stop.is_set():
-            await asyncio.sleep(0.005)
-            tag = pending_tag
-            if tag > acked_tag:
-                await consume.basic_ack(tag, multiple=True)
-                acked_tag = tag
+    async def handle() -> None:
+        nonlocal done
+        while True:
+            batch = [await inbox.get()]
+            while not inbox.empty():
+                batch.append(inbox.get_nowait())
+            if publish is not None:
+                confirms = await write_batch(publish, [outcome_message(m.body) for m in batch])
+                for confirm in await asyncio.gather(*confirms):
+                    if not isinstance(confirm, Basic.Ack):
+                        raise RuntimeError(f"outcome not confirmed: {confirm!r}")
+            await consume.basic_ack(max(m.delivery_tag or 0 for m in batch), multiple=True)
+            done += len(batch)
 
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     await consume.basic_consume(queue, on_message)
     print("consuming", flush=True)
-    task = asyncio.create_task(acker())
-    await stop.wait()
-    await task
+    handler = asyncio.create_task(handle())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait([handler, stopping], return_when=asyncio.FIRST_COMPLETED)
+    if handler.done():
+        handler.result()  # a failure ends the worker, loudly
+    handler.cancel()
+    await asyncio.gather(handler, return_exceptions=True)
     print(f"handled {done}", flush=True)
     await connection.close()
 
