@@ -190,6 +190,52 @@ def proc_sample(pid: int) -> ProcSample:
     return ProcSample(cpu, rss, hwm)
 
 
+ROLES = ("broker", "daemon", "worker", "postgres", "kernel", "other")
+
+
+def _role(name: str, cmdline: str) -> str:
+    if name.startswith("beam") or name in ("erl_child_setup", "epmd", "inet_gethost"):
+        return "broker"
+    if name == "postgres" or cmdline.startswith("postgres"):
+        return "postgres"
+    if "noop_worker.py" in cmdline:
+        return "worker"
+    if "-m pacerd run" in cmdline:
+        return "daemon"
+    return "other" if cmdline else "kernel"  # kernel threads have no command line
+
+
+def cpu_by_process() -> dict[tuple[int, str], float]:
+    """utime+stime (s) of every process of the machine, keyed by (pid, role):
+    the broker, the pacerd daemon, the no-op worker, PostgreSQL, kernel
+    threads (the block layer and writeback among them) and the rest."""
+    out: dict[tuple[int, str], float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat.rsplit(")", 1)[1].split()
+        cpu = (int(fields[11]) + int(fields[12])) / _TICKS
+        out[(int(entry.name), _role(name, cmdline.strip()))] = cpu
+    return out
+
+
+def cpu_split(
+    before: dict[tuple[int, str], float], after: dict[tuple[int, str], float]
+) -> dict[str, float]:
+    """CPU seconds per role between two ``cpu_by_process`` readings (a process
+    started in between counts whole)."""
+    split = dict.fromkeys(ROLES, 0.0)
+    for key, cpu in after.items():
+        split[key[1]] += cpu - before.get(key, 0.0)
+    return split
+
+
 def machine_description() -> str:
     cpu = "?"
     with contextlib.suppress(OSError):

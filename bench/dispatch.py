@@ -48,7 +48,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import asyncpg
@@ -66,6 +66,8 @@ class DaemonRun:
     jobs_per_second: float
     cpu_per_1000: float
     peak_rss_mb: float
+    # CPU ms per job of each role on the machine (common.ROLES), over the drain
+    cpu_ms_per_job: dict[str, float] = field(default_factory=dict)
 
 
 def daemon_env(dsn: str, *, rate: float, tick: float, max_inflight: int) -> dict[str, str]:
@@ -151,6 +153,7 @@ async def drain(
             spy = start_pyspy(proc.pid, profile / "full_cycle.txt")
             await asyncio.sleep(1.0)
         before = common.proc_sample(proc.pid)
+        machine_before = common.cpu_by_process()
         started_at = await conn.fetchval("SELECT clock_timestamp()")
         await conn.execute("SELECT pacerd.resume($1)", common.DESTINATION)
         deadline = time.monotonic() + max(120.0, n / 200)
@@ -164,6 +167,7 @@ async def drain(
                 raise TimeoutError(f"{left} jobs not {final} in time")
             await asyncio.sleep(0.1)
         after = common.proc_sample(proc.pid)
+        split = common.cpu_split(machine_before, common.cpu_by_process())
         # Timed from the first claim, as the raw loop is: the daemon sees the
         # resume at its next tick (0 to tick_seconds later), which is not throughput.
         first_claim = await conn.fetchval(
@@ -175,6 +179,7 @@ async def drain(
             jobs_per_second=n / seconds,
             cpu_per_1000=(after.cpu_seconds - before.cpu_seconds) / n * 1000,
             peak_rss_mb=after.hwm_mb,
+            cpu_ms_per_job={role: cpu / n * 1000 for role, cpu in split.items()},
         )
     finally:
         if spy is not None:
@@ -240,11 +245,12 @@ async def measure(args: argparse.Namespace) -> str:
                     dsn, n=args.jobs, mode=mode, rate=rate, tick=args.tick, profile=profile
                 )
                 runs[mode].append(run)
+                split = ", ".join(f"{k} {v:.3f}" for k, v in run.cpu_ms_per_job.items())
                 print(
                     f"  [{i + 1}] {'dispatch alone' if mode == 'ack' else 'full cycle'} "
                     f"(rate {rate:,.0f}/s): "
                     f"{run.jobs_per_second:,.0f} jobs/s, {run.cpu_per_1000:.2f} CPU s/1000, "
-                    f"peak RSS {run.peak_rss_mb:.0f} MB",
+                    f"peak RSS {run.peak_rss_mb:.0f} MB; machine CPU ms/job: {split}",
                     flush=True,
                 )
         idle_pct, idle_rss = await idle_cost(dsn, args.idle_seconds)
@@ -276,6 +282,13 @@ async def measure(args: argparse.Namespace) -> str:
          "peak RSS MB"],
         rows,
     )  # fmt: skip
+    split_rows = [
+        (label, *(common.median(r.cpu_ms_per_job[role] for r in runs[mode])
+                  for role in common.ROLES))
+        for mode, label in (("ack", "dispatch alone"), ("report", "full cycle"))
+    ]  # fmt: skip
+    out += "\n\nmachine CPU ms per job (median of the repeats; two cores = 2,000 ms/s):\n\n"
+    out += common.table(["run", *common.ROLES], split_rows)
     out += f"\n\nidle (default pacing, nothing due, {args.idle_seconds:.0f} s): "
     out += f"{idle_pct:.2f} % of one core, RSS {idle_rss:.0f} MB"
     if args.profile is not None:

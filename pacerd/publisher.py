@@ -143,6 +143,8 @@ async def write_batch(
     pyproject.toml, and ``tests/integration/test_publish_batch.py`` holds
     each case to the broker). Cancelled before the write, it gives the
     delivery tags back."""
+    if not channel.publisher_confirms:
+        raise ValueError("write_batch needs a channel in confirm mode")
     frames: list[Any] = []
     confirms: list[asyncio.Future[Any]] = []
     size = channel.max_content_size

@@ -143,6 +143,7 @@ class _BlockedChannel:
         self.write_queue: asyncio.Queue[object] = asyncio.Queue(maxsize=1)
         self.write_queue.put_nowait(object())
         self.lock = asyncio.Lock()
+        self.publisher_confirms = True
 
     def create_future(self) -> asyncio.Future[Any]:
         return asyncio.get_running_loop().create_future()
@@ -163,3 +164,10 @@ async def test_a_batch_cancelled_before_its_write_gives_its_tags_back() -> None:
         {},
         {},
     )
+
+
+async def test_a_channel_without_confirms_is_refused() -> None:
+    channel = _BlockedChannel()
+    channel.publisher_confirms = False
+    with pytest.raises(ValueError, match="confirm mode"):
+        await write_batch(channel, [])
