@@ -24,6 +24,7 @@ import aiormq.exceptions
 from aiormq.abc import ChannelFrame
 from pamqp.body import ContentBody
 from pamqp.commands import Basic
+from pamqp.frame import marshal
 from pamqp.header import ContentHeader
 
 from pacerd.errors import BrokerUnavailable, PublishError, PublishRejected, PublishTimeout
@@ -136,7 +137,8 @@ async def write_batch(
     buffer — one socket write, where aiormq's ``basic_publish`` makes one per
     message (with a lock, a timeout scope and, pipelined, a task each: most of
     the daemon's CPU at full speed) — and returns each message's confirmation
-    future. The futures are aiormq's own, in its table: the channel settles
+    future (the publish method frame is marshalled once per route). The
+    futures are aiormq's own, in its table: the channel settles
     them as it settles ``basic_publish``'s (an ack, a nack, the return of an
     unroutable message matched by ``message_id``, the channel's close). It
     needs aiormq 7.2's channel attributes (the version is pinned in
@@ -145,13 +147,18 @@ async def write_batch(
     delivery tags back."""
     if not channel.publisher_confirms:
         raise ValueError("write_batch needs a channel in confirm mode")
-    frames: list[Any] = []
+    parts: list[bytes] = []
     confirms: list[asyncio.Future[Any]] = []
-    size = channel.max_content_size
+    size, number = channel.max_content_size, channel.number
+    publish_frames: dict[tuple[str, str], bytes] = {}  # the same for every message of a route
     async with channel.lock:
         first_tag = channel.delivery_tag + 1
         ids: dict[str, int] = channel.message_id_delivery_tag
         for exchange, routing_key, body, properties in messages:
+            publish = publish_frames.get((exchange, routing_key))
+            if publish is None:
+                method = Basic.Publish(exchange=exchange, routing_key=routing_key, mandatory=True)
+                publish = publish_frames[exchange, routing_key] = marshal(method, number)
             channel.delivery_tag += 1
             tag = channel.delivery_tag
             confirm = channel.create_future()
@@ -162,13 +169,13 @@ async def write_batch(
                     functools.partial(_forget_message_id, ids, properties.message_id, tag)
                 )
             confirms.append(confirm)
-            frames.append(Basic.Publish(exchange=exchange, routing_key=routing_key, mandatory=True))
-            frames.append(ContentHeader(properties=properties, body_size=len(body)))
-            frames.extend(ContentBody(body[i : i + size]) for i in range(0, len(body), size))
-        try:
-            await channel.write_queue.put(
-                ChannelFrame.marshall(channel_number=channel.number, frames=frames)
+            parts.append(publish)
+            parts.append(marshal(ContentHeader(properties=properties, body_size=len(body)), number))
+            parts.extend(
+                marshal(ContentBody(body[i : i + size]), number) for i in range(0, len(body), size)
             )
+        try:
+            await channel.write_queue.put(ChannelFrame(payload=b"".join(parts), should_close=False))
         except BaseException:
             for tag in range(first_tag, channel.delivery_tag + 1):
                 channel.confirmations.pop(tag, None)
