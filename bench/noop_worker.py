@@ -24,16 +24,18 @@ import aiormq
 import uvloop
 from pamqp.commands import Basic
 
+from pacerd.models import Outcome, Report
+from pacerd.protocol import outcome_body
 from pacerd.publisher import OUTCOMES_EXCHANGE, write_batch
 
 
 def outcome_message(body: bytes) -> tuple[str, str, bytes, aiormq.spec.Basic.Properties]:
     job = json.loads(body)
-    outcome = {"job_id": job["job_id"], "attempt": job["attempt"], "outcome": "ok"}
+    report = Report(job_id=job["job_id"], attempt=job["attempt"], outcome=Outcome.OK)
     properties = aiormq.spec.Basic.Properties(
         delivery_mode=2, message_id=f"{job['job_id']}:{job['attempt']}:ok"
     )
-    return OUTCOMES_EXCHANGE, "", json.dumps(outcome).encode(), properties
+    return OUTCOMES_EXCHANGE, "", outcome_body(report), properties
 
 
 async def main(mode: str, url: str, queue: str, prefetch: int) -> None:

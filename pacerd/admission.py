@@ -533,10 +533,11 @@ class DestinationAdmission:
                     await room.take(len(group))
                     sent += len(group)
                     tg.start_soon(self._publish_slice, group, outcome, room)
-                claims.stop()  # a chunk in flight completes; its jobs are released below
                 marking.cancel()  # the rest is marked once every slice has its confirms
         finally:
             marking.cancel()
+            # a chunk in flight when the loop ended completed inside the task
+            # group: its jobs, and every other one not sent, are released below
             claims.stop()
             outcome.failed.extend(job.ref for job in claims.jobs[sent:])
             with anyio.CancelScope(shield=True):
