@@ -2,7 +2,9 @@
 ``status --watch`` view, dead letters and a job's history.
 
 Rendering only (rich); the data comes from ``client.py``. The live view reads
-the ledger, so it works from any machine with database access.
+the ledger, so it works from any machine with database access. Job ids, kinds,
+errors and details are user data: the console never reads markup or emoji codes
+in them, so they print exactly as stored.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ _SPARKS = "▁▂▃▄▅▆▇█"
 
 
 def _console() -> Console:
-    console = Console(highlight=False, soft_wrap=True)
+    options: dict[str, Any] = {"highlight": False, "markup": False, "emoji": False}
+    console = Console(soft_wrap=True, **options)
     if not console.is_terminal:
-        console = Console(highlight=False, soft_wrap=True, width=200)
+        console = Console(soft_wrap=True, width=200, **options)
     return console
 
 
@@ -181,7 +184,9 @@ def _when(value: dt.datetime | None) -> str:
 def print_job(job: JobView, events: Sequence[JobEvent]) -> None:
     console = _console()
     console.print(
-        f"[bold]{job.job_id}[/bold]  {job.kind} → {job.destination}  [bold]{job.state}[/bold]"
+        Text.assemble(
+            (job.job_id, "bold"), f"  {job.kind} → {job.destination}  ", (str(job.state), "bold")
+        )
     )
     console.print(
         f"  attempt {job.attempt}, failures {job.failures}/{job.max_attempts},"
