@@ -2,8 +2,8 @@
 
 Every verb takes ``-c/--config`` (default ``$PACERD_CONFIG``, else
 ``/etc/pacerd/pacerd.toml``). Errors are one line on stderr and a non-zero exit
-(1 for an operational error, 2 for bad usage, 78 for a bad config), never a
-traceback unless ``--debug``.
+status that says what kind of failure it was (``pacerd.exitcodes``), never a
+traceback unless ``--debug``. The verbs are listed in docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -21,17 +21,28 @@ import anyio
 
 from pacerd import __version__
 from pacerd.clock import SystemClock
-from pacerd.errors import ConfigError, PacerdError
+from pacerd.errors import (
+    BrokerUnavailable,
+    ConfigError,
+    LedgerUnavailable,
+    MigrationError,
+    PacerdError,
+)
+from pacerd.exitcodes import (
+    EX_CONFIG,
+    EX_FAILURE,
+    EX_INTERRUPTED,
+    EX_NOT_MIGRATED,
+    EX_OK,
+    EX_UNAVAILABLE,
+    EX_UNKNOWN_JOB,
+    EX_USAGE,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
 
     from pacerd.config import Config
-
-EX_OK = 0
-EX_FAILURE = 1
-EX_USAGE = 2
-EX_CONFIG = 78
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -39,6 +50,14 @@ _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 class UsageError(PacerdError):
     """The command line is invalid."""
+
+
+class UnknownJob(PacerdError):
+    """No such job."""
+
+
+class LedgerNotMigrated(MigrationError):
+    """The ledger schema is not up to date: run `pacerd migrate` first."""
 
 
 def parse_moment(text: str, *, now: dt.datetime) -> dt.datetime:
@@ -178,9 +197,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             traceback.print_exc()
         print(f"pacerd: error: {exc}", file=sys.stderr)
-        return EX_FAILURE
+        return _status_of(exc)
     except KeyboardInterrupt:
-        return 130
+        return EX_INTERRUPTED
+
+
+def _status_of(exc: PacerdError) -> int:
+    if isinstance(exc, UnknownJob):
+        return EX_UNKNOWN_JOB
+    if isinstance(exc, LedgerNotMigrated):
+        return EX_NOT_MIGRATED
+    if isinstance(exc, LedgerUnavailable | BrokerUnavailable):
+        return EX_UNAVAILABLE
+    return EX_FAILURE
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -222,9 +251,16 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 async def _with_client(cfg: Config, body: Callable[[Any], Awaitable[int]]) -> int:
     from pacerd.client import Client
+    from pacerd.ledger import pending_migrations
 
     client = await Client.connect(cfg.database.dsn)
     try:
+        pending = await pending_migrations(client.pool)
+        if pending:
+            raise LedgerNotMigrated(
+                f"the ledger schema is not up to date ({', '.join(pending)} pending):"
+                " run `pacerd migrate` first"
+            )
         return await body(client)
     finally:
         await client.close()
@@ -273,7 +309,7 @@ async def _cancel(cfg: Config, args: argparse.Namespace) -> int:
     async def body(client: Any) -> int:
         result = await client.cancel(args.job_id, args.reason)
         print(f"{args.job_id}: {result}")
-        return EX_FAILURE if result == "unknown" else EX_OK
+        return EX_UNKNOWN_JOB if result == "unknown" else EX_OK
 
     return await _with_client(cfg, body)
 
@@ -310,10 +346,10 @@ async def _replay(cfg: Config, args: argparse.Namespace) -> int:
                 state = found[0].state if found else "unknown"
                 verdict = "replay" if state == "dead" else "not replay"
                 print(f"{args.job_id}: would {verdict} (state {state})")
-                return EX_OK
+                return EX_OK if found else EX_UNKNOWN_JOB
             result = await client.replay(args.job_id, args.reason)
             print(f"{args.job_id}: {result}")
-            return EX_FAILURE if result == "unknown" else EX_OK
+            return EX_UNKNOWN_JOB if result == "unknown" else EX_OK
         count = await client.count_dead(selection)
         if args.dry_run:
             print(f"{min(count, args.limit)} dead job(s) would be replayed ({count} match)")
@@ -345,8 +381,7 @@ async def _show(cfg: Config, args: argparse.Namespace) -> int:
     async def body(client: Any) -> int:
         found = await client.show(args.job_id)
         if found is None:
-            print(f"pacerd: error: no job {args.job_id!r}", file=sys.stderr)
-            return EX_FAILURE
+            raise UnknownJob(f"no job {args.job_id!r}")
         job, events = found
         if args.json:
             doc = statusview.job_dict(job) | {"history": [statusview.event_dict(e) for e in events]}

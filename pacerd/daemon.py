@@ -28,6 +28,7 @@ from pacerd import ledger as ledger_module
 from pacerd.admission import AdmissionConfig, DestinationAdmission, TickResult, run_destination
 from pacerd.clock import Clock, SystemClock
 from pacerd.errors import ConfigError, LedgerUnavailable, MigrationError, PacerdError
+from pacerd.exitcodes import EX_NOT_MIGRATED
 from pacerd.outcomes import OutcomeConsumer, OutcomeResult
 from pacerd.publisher import Broker, message_id
 from pacerd.reconciler import Reconciler, ReconcilerConfig, ReconcileResult
@@ -46,7 +47,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger("pacerd.daemon")
 
 EX_OK = 0
-EX_FAILURE = 1
 
 
 def instance_name(cfg: Config) -> str:
@@ -628,7 +628,7 @@ class Daemon:
             self.ledger = await self._retry_until_up("ledger", self._connect_ledger)
         except MigrationError as exc:
             log.error("ledger_not_migrated", error=str(exc))
-            return EX_FAILURE
+            return EX_NOT_MIGRATED
         if self.ledger is None:
             return EX_OK
         try:

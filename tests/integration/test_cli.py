@@ -11,6 +11,13 @@ from typing import TYPE_CHECKING
 import pytest
 
 from pacerd.client import Client
+from pacerd.exitcodes import (
+    EX_FAILURE,
+    EX_NOT_MIGRATED,
+    EX_OK,
+    EX_UNAVAILABLE,
+    EX_UNKNOWN_JOB,
+)
 from pacerd.ledger import Ledger
 
 if TYPE_CHECKING:
@@ -30,7 +37,7 @@ def pacerd(dsn: str, *args: str, config: Path | None = None) -> subprocess.Compl
     )
 
 
-async def _kill(dsn: str, job_id: str) -> None:
+async def _kill(dsn: str, job_id: str, error: str = "bad input") -> None:
     """Drives one job to `dead`: claim it, then report a permanent failure."""
     ledger = await Ledger.connect(dsn, max_size=2)
     client = await Client.connect(dsn)
@@ -45,7 +52,7 @@ async def _kill(dsn: str, job_id: str) -> None:
         assert mine, claimed
         others = [c.ref for c in claimed if c.job_id != job_id]
         await ledger.release_claims(others, reason="test")
-        assert await client.report(job_id, mine[0].attempt, "fail", error="bad input") == "applied"
+        assert await client.report(job_id, mine[0].attempt, "fail", error=error) == "applied"
     finally:
         await client.close()
         await ledger.close()
@@ -113,9 +120,9 @@ async def test_schedule_show_status_cancel(db_dsn: str) -> None:
     assert cancelled.stdout.strip() == "cli-1: cancelled"
     assert pacerd(db_dsn, "cancel", "cli-1").stdout.strip() == "cli-1: unchanged"
     unknown = pacerd(db_dsn, "cancel", "nope")
-    assert unknown.returncode == 1
+    assert unknown.returncode == EX_UNKNOWN_JOB
     missing = pacerd(db_dsn, "show", "nope")
-    assert missing.returncode == 1
+    assert missing.returncode == EX_UNKNOWN_JOB
     assert missing.stderr.strip() == "pacerd: error: no job 'nope'"
 
 
@@ -129,7 +136,7 @@ async def test_bad_input_is_one_line_and_non_zero(db_dsn: str) -> None:
     assert bad_json.returncode == 2
     assert bad_json.stderr.startswith("pacerd: error: --payload is not valid JSON")
     no_db = pacerd("postgresql://postgres@127.0.0.1:1/none", "status")
-    assert no_db.returncode == 1
+    assert no_db.returncode == EX_UNAVAILABLE
     assert no_db.stderr.startswith("pacerd: error: the ledger cannot be reached")
     assert len(no_db.stderr.strip().splitlines()) == 1
 
@@ -176,3 +183,43 @@ async def test_pause_and_resume(db_dsn: str) -> None:
     rows = {r["destination"]: r for r in json.loads(pacerd(db_dsn, "status", "--json").stdout)}
     assert rows["p1"]["paused"] is False
     assert pacerd(db_dsn, "resume", "--destination", "p1").stdout.strip() == "p1: unchanged"
+
+
+async def test_dead_and_show_print_markup_in_user_data_verbatim(db_dsn: str) -> None:
+    error = "upstream said [/x] then [red]stop[/red]"
+    pacerd(db_dsn, "schedule", "m-[red]1", "--kind", "render", "--destination", "cli-markup")
+    await _kill(db_dsn, "m-[red]1", error=error)
+    listed = pacerd(db_dsn, "dead", "--destination", "cli-markup")
+    assert listed.returncode == EX_OK, listed.stderr
+    assert "m-[red]1" in listed.stdout
+    assert error in listed.stdout
+    shown = pacerd(db_dsn, "show", "m-[red]1")
+    assert shown.returncode == EX_OK, shown.stderr
+    assert f"last error: {error}" in shown.stdout
+
+
+async def test_unknown_jobs_have_their_own_exit_status(db_dsn: str) -> None:
+    for args in (
+        ("show", "nope"),
+        ("cancel", "nope"),
+        ("replay", "nope", "--reason", "x"),
+        ("replay", "nope", "--reason", "x", "--dry-run"),
+    ):
+        result = pacerd(db_dsn, *args)
+        assert result.returncode == EX_UNKNOWN_JOB, (args, result.stdout, result.stderr)
+    bad_input = pacerd(db_dsn, "schedule", " ", "--kind", "k", "--destination", "d")
+    assert bad_input.returncode == EX_FAILURE
+
+
+async def test_an_unmigrated_ledger_is_not_retried(empty_db_dsn: str) -> None:
+    run = pacerd(empty_db_dsn, "run")
+    assert run.returncode == EX_NOT_MIGRATED, run.stderr
+    assert "pacerd migrate" in run.stdout + run.stderr
+    status = pacerd(empty_db_dsn, "status")
+    assert status.returncode == EX_NOT_MIGRATED
+    assert status.stderr.strip() == (
+        "pacerd: error: the ledger schema is not up to date "
+        "(0001_ledger.sql, 0002_report_many.sql pending): run `pacerd migrate` first"
+    )
+    assert pacerd(empty_db_dsn, "migrate").returncode == EX_OK
+    assert pacerd(empty_db_dsn, "status").returncode == EX_OK
