@@ -136,7 +136,7 @@ class Client:
         revision: int = 0,
         max_attempts: int | None = None,
     ) -> str:
-        """'scheduled', 'revised' or 'unchanged' (see DESIGN.md)."""
+        """'scheduled', 'revised' or 'unchanged' (see docs/protocol.md)."""
         result: str = await self._val(
             "SELECT pacerd.schedule(job_id => $1, kind => $2, destination => $3, payload => $4,"
             " eligible_at => coalesce($5, now()), revision => $6, max_attempts => $7)",

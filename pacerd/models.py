@@ -30,7 +30,7 @@ class JobState(enum.StrEnum):
 
 
 class Outcome(enum.StrEnum):
-    """A worker's report on one attempt (DESIGN.md, `pacerd.report`)."""
+    """A worker's report on one attempt (docs/protocol.md, `pacerd.report`)."""
 
     OK = "ok"
     REFUSED = "refused"

@@ -1,4 +1,4 @@
-"""The message protocol between pacerd and its workers (DESIGN.md, "Messages"),
+"""The message protocol between pacerd and its workers (docs/protocol.md, "Messages"),
 in both directions: the ready message a worker decodes, and the outcome
 message pacerd parses; the exceptions a handler raises to choose its outcome.
 The JSON Schemas in ``pacerd/schemas`` describe the same messages.
@@ -186,7 +186,7 @@ _ATTEMPT_DIGITS = re.compile(r"[1-9][0-9]{0,9}")
 def attempt_from_properties(
     message_id: str | None, correlation_id: str | None
 ) -> tuple[str, int] | None:
-    """``(job_id, attempt)`` from a ready message's properties (DESIGN.md,
+    """``(job_id, attempt)`` from a ready message's properties (docs/protocol.md,
     "Messages": ``message_id`` = ``<job_id>:<attempt>``, ``correlation_id`` =
     job_id); ``None`` unless they name one attempt consistently."""
     if not isinstance(message_id, str):
@@ -250,7 +250,7 @@ class InvalidOutcome(ValueError):
 
 
 def parse_outcome(body: bytes) -> Report:
-    """Decodes and validates an outcome message (DESIGN.md, "Messages")."""
+    """Decodes and validates an outcome message (docs/protocol.md, "Messages")."""
     try:
         doc = json.loads(body)
     except (ValueError, RecursionError) as exc:  # also an integer past int_max_str_digits

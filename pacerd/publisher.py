@@ -2,7 +2,7 @@
 declarations) and the aiormq channels underneath them (publishing and
 consuming, per message).
 
-Owns the AMQP connection, the topology pacerd declares (DESIGN.md,
+Owns the AMQP connection, the topology pacerd declares (docs/protocol.md,
 "Messages"), publishing ready work with publisher confirms and ``mandatory``,
 and the delivery of outcome messages in batches. Every aio-pika/aiormq error
 is translated here into ``PublishError``s (``raise ... from exc``); nothing
@@ -51,7 +51,7 @@ def message_id(job_id: str, attempt: int) -> str:
 
 
 def ready_body(job: ClaimedJob) -> bytes:
-    """The ready message (DESIGN.md). Payload and cursor arrive from the
+    """The ready message (docs/protocol.md). Payload and cursor arrive from the
     ledger as JSON text and are spliced in without a decode/encode round."""
     cursor = job.cursor_json if job.cursor_json is not None else "null"
     return (

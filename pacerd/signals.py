@@ -1,6 +1,6 @@
 """Unix signals, turned into calls on the daemon, in the event loop.
 
-Owns the mapping from signals to intents (DESIGN.md, "Operations"):
+Owns the mapping from signals to intents (docs/protocol.md, "Signals"):
 
     SIGTERM, SIGINT  first: request_stop()  (graceful: stop admitting, drain, exit 0)
                      again: force_stop()    (exit at once, releasing what it can)

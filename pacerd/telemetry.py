@@ -1,6 +1,6 @@
 """Logs, traces and metrics: structlog + OpenTelemetry, set up once.
 
-Owns the names operators and dashboards rely on (DESIGN.md, "Operations"), the
+Owns the names operators and dashboards rely on (docs/protocol.md, "Telemetry"), the
 exporter selection from the standard ``OTEL_*`` variables, the structlog chain
 (JSON lines, or console on a TTY; trace and span ids on every line inside a
 span; stdlib logging routed through it) and secret redaction. It must not

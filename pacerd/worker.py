@@ -1,6 +1,6 @@
 """The worker side of the protocol: a small library for Python workers.
 
-Owns what a worker process does with an offer (DESIGN.md, "Messages"): consume
+Owns what a worker process does with an offer (docs/protocol.md, "Messages"): consume
 ``pacerd.ready.<destination>`` with a bounded prefetch, decode the envelope and
 validate it against ``schemas/ready.schema.json``, optionally ask
 ``pacerd.is_current`` before the costly call, run the registered handler, turn

@@ -125,7 +125,7 @@ WITH expired AS (
         last_error = CASE WHEN e.state = 'offered' THEN 'offer lease expired without an outcome'
                           ELSE j.last_error END,
         lease_expires_at = NULL,
-        ever_offered = true,  -- reclaimed leases are backlog (DESIGN.md, Lanes)
+        ever_offered = true,  -- reclaimed leases are backlog (docs/protocol.md, Terms)
         claimed_by = NULL,
         updated_at = coalesce($1::timestamptz, now())
     FROM expired e

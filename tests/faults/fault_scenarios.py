@@ -664,7 +664,7 @@ class DrillReport:
 
 
 async def recovery_drill(env: Env, scale: Scale) -> tuple[Audit, DrillReport]:
-    """The drill from the field notes: pause dispatch, accumulate due records,
+    """The recovery drill: pause dispatch, accumulate due records,
     supersede one job's revision while it waits, resume with a small budget with
     two dispatchers running at once, interrupt the leading one once between
     enqueue and mark-offered (kill -9 right after the last publish of a tick,

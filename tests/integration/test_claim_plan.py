@@ -1,4 +1,4 @@
-"""The cost of a tick must not grow with the backlog (DESIGN.md, The tick).
+"""The cost of a tick must not grow with the backlog (docs/protocol.md, "The tick").
 
 The claim, the oldest-due lookup, the bounded due count, the in-flight count
 and the reclaim of expired leases are planned and run (EXPLAIN ANALYZE, in a

@@ -262,7 +262,7 @@ async def test_every_named_query_prepares_on_a_migrated_database(empty_db_dsn: s
         await conn.close()
 
 
-SIGNATURES = {  # DESIGN.md, "SQL API": names, argument names and result types
+SIGNATURES = {  # docs/protocol.md, "SQL API": names, argument names and result types
     "schedule": (
         "job_id text, kind text, destination text, payload jsonb,"
         " eligible_at timestamp with time zone DEFAULT now(), revision bigint DEFAULT 0,"
@@ -1165,7 +1165,7 @@ async def test_a_report_before_the_confirm_makes_the_job_backlog(
 async def test_a_reclaimed_claim_is_backlog(
     ledger_: ledger.Ledger, sql: asyncpg.Connection
 ) -> None:
-    """DESIGN.md, Lanes: reclaimed leases are backlog."""
+    """docs/protocol.md, Terms: reclaimed leases are backlog."""
     t = utcnow()
     await schedule(sql, "a", eligible_at=t - secs(5))
     c = await claim(ledger_, limit=1, live_limit=1, now=t)

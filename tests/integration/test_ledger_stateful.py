@@ -62,7 +62,7 @@ BACKOFF_BASE_SECONDS = 1.0
 BACKOFF_CAP_SECONDS = 4.0
 SLACK = dt.timedelta(milliseconds=500)  # Python's clock against PostgreSQL's now()
 CLOSED = ("completed", "dead", "cancelled")
-# DESIGN.md puts reclaimed leases in the backlog lane (test_ledger.py::
+# docs/protocol.md puts reclaimed leases in the backlog lane (test_ledger.py::
 # test_a_reclaimed_claim_is_backlog).
 RECLAIMED_CLAIM_IS_BACKLOG = True
 IN_FLIGHT = ("claimed", "offered")

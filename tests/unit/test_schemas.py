@@ -1,5 +1,5 @@
 """The protocol's JSON Schemas: valid draft 2020-12 with their $ids and exactly
-DESIGN.md's fields; what pacerd publishes and what the worker library sends
+docs/protocol.md's fields; what pacerd publishes and what the worker library sends
 validate; and pacerd's outcome parser agrees with the outcome schema."""
 
 from __future__ import annotations

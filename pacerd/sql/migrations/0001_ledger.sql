@@ -409,7 +409,7 @@ BEGIN
     IF v_job.state <> 'dead' THEN
         RETURN 'unchanged';
     END IF;
-    -- A replay is backlog (DESIGN.md, Lanes), never the live lane.
+    -- A replay is backlog (docs/protocol.md, Terms), never the live lane.
     UPDATE pacerd.jobs j SET state = 'scheduled', failures = 0, next_attempt_at = now(),
         ever_offered = true, updated_at = now()
     WHERE j.job_id = v_job.job_id;

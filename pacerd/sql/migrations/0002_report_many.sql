@@ -1,7 +1,7 @@
 -- pacerd ledger, version 2: set-based application of a batch of outcome reports.
 --
 -- Forward-only, additive. pacerd.report is unchanged and stays the contract
--- (DESIGN.md, "SQL API"); pacerd.report_many gives a batch exactly the results
+-- (docs/protocol.md, "SQL API"); pacerd.report_many gives a batch exactly the results
 -- and effects that calling pacerd.report on each report, in order, in one
 -- transaction, would give — with the common case done in a few set-based
 -- statements instead of five statements per report, and the destination's
