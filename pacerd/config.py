@@ -4,8 +4,12 @@ overrides, validated into one frozen ``Config``.
 ``load_config`` reports every problem at once (key path, offending value, why)
 by raising ``ConfigError``; the daemon exits with ``EX_CONFIG`` and
 ``pacerd check-config`` runs the same code. The only I/O here is reading the
-file. The ``[pacing]`` keys mirror ``pacerd.pacer.PacingParams`` field for
-field, defaults included, so the two cannot drift.
+file and the secret files it names: ``dsn_file``, ``url_file`` and
+``password_file`` take the DSN, the broker URL or just their password from a
+file (a systemd credential, a container secret), so the secret never sits in
+the TOML or the environment. A secret's value never appears in a problem.
+The ``[pacing]`` keys mirror ``pacerd.pacer.PacingParams`` field for field,
+defaults included, so the two cannot drift.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import os
 import re
 import tomllib
 import types
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from urllib.parse import quote, urlsplit, urlunsplit
 
 from pydantic import (
     BaseModel,
@@ -47,6 +52,15 @@ RESTART_KEYS = (
     "daemon.instance_name",
 )  # prefixes a HUP reload cannot apply
 
+CREDENTIALS_DIRECTORY = "CREDENTIALS_DIRECTORY"  # set by systemd's LoadCredential=
+# (section, file key, key it fills, what the file holds)
+SECRET_FILES = (
+    ("database", "dsn_file", "dsn", "url"),
+    ("database", "password_file", "dsn", "password"),
+    ("broker", "url_file", "url", "url"),
+    ("broker", "password_file", "url", "password"),
+)
+
 _P = PacingParams()
 _NO_VALUE = object()  # a problem whose value is not worth repeating
 _Tick = Annotated[float, Field(gt=0, le=60)]
@@ -74,6 +88,8 @@ class _Section(BaseModel):
 
 class DatabaseConfig(_Section):
     dsn: str = "postgresql://postgres@127.0.0.1:5432/test"
+    dsn_file: str = ""  # a file holding the whole DSN, used instead of dsn
+    password_file: str = ""  # a file holding the password to put in the DSN
     pool_max_size: Annotated[int, Field(ge=2, le=100)] = 8
     connect_timeout_seconds: _Positive = 10.0
 
@@ -87,6 +103,8 @@ class DatabaseConfig(_Section):
 
 class BrokerConfig(_Section):
     url: str = "amqp://guest:guest@127.0.0.1:5672/"
+    url_file: str = ""  # a file holding the whole URL, used instead of url
+    password_file: str = ""  # a file holding the password to put in the URL
     queue_type: Literal["quorum", "classic"] = "quorum"
     publish_timeout_seconds: _Positive = 10.0
     declare_queues: bool = True
@@ -303,11 +321,17 @@ def load_config(
             problems.append(f"{os.fspath(path)}: TOML syntax error: {exc}")
     readable = not problems
     env_sources = _apply_environ(data, environ, problems)
+    base = environ.get(CREDENTIALS_DIRECTORY) or (
+        os.path.dirname(os.path.abspath(path)) if path is not None else os.getcwd()
+    )
+    file_sources = _read_secret_files(data, base, problems)
     if readable:
         try:
             config = Config.model_validate(data)
         except ValidationError as exc:
-            problems += _problems(exc, env_sources=env_sources)
+            problems += _problems(
+                exc, env_sources=env_sources | file_sources, hidden=file_sources.keys()
+            )
         else:
             if not problems:
                 return config
@@ -365,6 +389,61 @@ def _apply_environ(
     return sources
 
 
+def _read_secret_files(
+    data: dict[str, Any], base: str, problems: list[str]
+) -> dict[tuple[str, ...], str]:
+    """Fill ``dsn``/``url`` from the ``*_file`` keys in ``data`` (a file wins over
+    the key it fills); return loc -> source.
+
+    A relative path is taken from ``base``: ``$CREDENTIALS_DIRECTORY`` when
+    systemd set it, else the config file's directory. One trailing newline is
+    dropped. Problems name the file, never its content."""
+    sources: dict[tuple[str, ...], str] = {}
+    for section, file_key, key, holds in SECRET_FILES:
+        table = data.get(section)
+        if not isinstance(table, dict) or not table.get(file_key):
+            continue
+        file_path = table[file_key]
+        if not isinstance(file_path, str):
+            continue  # the type error is reported by validation
+        loc = (section, file_key)
+        full = os.path.join(base, os.path.expanduser(file_path))
+        try:
+            with open(full, encoding="utf-8") as f:
+                secret = f.read().removesuffix("\n").removesuffix("\r")
+        except OSError as exc:
+            problems.append(_problem(loc, file_path, f"cannot be read ({exc.strerror})", None))
+            continue
+        except UnicodeDecodeError:
+            problems.append(_problem(loc, file_path, "is not UTF-8 text", None))
+            continue
+        if not secret.strip():
+            problems.append(_problem(loc, file_path, "is empty", None))
+            continue
+        if holds == "url":
+            table[key] = secret.strip()
+        else:
+            url = table.get(key, _SECTIONS[section].model_fields[key].default)
+            with_password = _with_password(url, secret) if isinstance(url, str) else None
+            if with_password is None:
+                why = f"needs a user name in {section}.{key} to go with the password"
+                problems.append(_problem(loc, file_path, why, None))
+                continue
+            table[key] = with_password
+        sources[(section, key)] = f"{section}.{file_key}: {full}"
+    return sources
+
+
+def _with_password(url: str, password: str) -> str | None:
+    """``url`` with its password set (percent-encoded); None if it names no user."""
+    parts = urlsplit(url)
+    if not parts.username:
+        return None
+    host = parts.netloc.rpartition("@")[2]
+    user = parts.netloc.rpartition("@")[0].partition(":")[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:{quote(password, safe='')}@{host}"))
+
+
 def _parse_env(raw: str, annotation: Any) -> object:
     if get_origin(annotation) in (Union, types.UnionType):  # X | None
         annotation = next(a for a in get_args(annotation) if a is not type(None))
@@ -388,8 +467,10 @@ def _problems(
     exc: ValidationError,
     prefix: tuple[str, ...] = (),
     env_sources: Mapping[tuple[str, ...], str] | None = None,
+    hidden: Collection[tuple[str, ...]] = (),
 ) -> list[str]:
-    """One readable line per pydantic error: ``path = value: why``."""
+    """One readable line per pydantic error: ``path = value: why``; the value is
+    left out for ``hidden`` locations (read from a secret file)."""
     lines: list[str] = []
     for err in exc.errors(include_url=False):
         loc, value, kind = prefix + tuple(str(p) for p in err["loc"]), err["input"], err["type"]
@@ -414,8 +495,13 @@ def _problems(
             why = re.sub(
                 r"^(Input|String) should ", "must ", err["msg"].removeprefix("Value error, ")
             )
+        if loc in hidden:
+            value = _NO_VALUE
         lines.append(_problem(loc, value, why, (env_sources or {}).get(loc)))
     return lines
+
+
+_SECRET_LOCS = {("database", "dsn"), ("broker", "url")}
 
 
 def _path(loc: tuple[str, ...]) -> str:
@@ -425,6 +511,8 @@ def _path(loc: tuple[str, ...]) -> str:
 
 def _problem(loc: tuple[str, ...], value: object, why: str, env_var: str | None) -> str:
     path = _path(loc)
+    if loc in _SECRET_LOCS and isinstance(value, str):
+        value = _redact(value)
     shown = "" if value is _NO_VALUE or isinstance(value, dict | list) else f" = {value!r}"
     source = f" (from {env_var})" if env_var else ""
     return f"{path}{shown}{source}: {why}"

@@ -26,9 +26,11 @@ if TYPE_CHECKING:
 pytestmark = [pytest.mark.services, pytest.mark.timeout(120)]
 
 
-def pacerd(dsn: str, *args: str, config: Path | None = None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PACERD_")}
-    env["PACERD_DATABASE__DSN"] = dsn
+def pacerd(
+    dsn: str, *args: str, config: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PACERD_")} | (env or {})
+    env.setdefault("PACERD_DATABASE__DSN", dsn)
     command = [sys.executable, "-m", "pacerd"]
     if config is not None:
         command += ["-c", str(config)]
@@ -224,3 +226,30 @@ async def test_an_unmigrated_ledger_is_not_retried(empty_db_dsn: str) -> None:
     )
     assert pacerd(empty_db_dsn, "migrate").returncode == EX_OK
     assert pacerd(empty_db_dsn, "status").returncode == EX_OK
+
+
+async def test_the_ledger_dsn_from_a_credentials_file(db_dsn: str, tmp_path: Path) -> None:
+    credentials = tmp_path / "credentials"
+    credentials.mkdir()
+    (credentials / "database.dsn").write_text(db_dsn + "\n")
+    env = {
+        "CREDENTIALS_DIRECTORY": str(credentials),
+        "PACERD_DATABASE__DSN_FILE": "database.dsn",
+        "PACERD_DATABASE__DSN": "postgresql://nobody@127.0.0.1:1/unused",
+    }
+    scheduled = pacerd(
+        db_dsn, "schedule", "cred-1", "--kind", "k", "--destination", "cred", env=env
+    )
+    assert scheduled.returncode == EX_OK, scheduled.stderr
+    assert scheduled.stdout.strip() == "cred-1: scheduled"
+
+
+async def test_a_password_file_is_masked_in_check_config(db_dsn: str, tmp_path: Path) -> None:
+    (tmp_path / "password").write_text("pw-from-file-71\n")
+    config = tmp_path / "pacerd.toml"
+    config.write_text('[database]\npassword_file = "password"\n')
+    env = {"PACERD_DATABASE__DSN": "postgresql://pacerd@db.internal/pacerd"}
+    checked = pacerd(db_dsn, "check-config", config=config, env=env)
+    assert checked.returncode == EX_OK, checked.stderr
+    assert "postgresql://pacerd:***@db.internal/pacerd" in checked.stdout
+    assert "pw-from-file-71" not in checked.stdout + checked.stderr

@@ -398,3 +398,97 @@ def test_reload_diff(tmp_path: Path) -> None:
         "telemetry.log_level",
     ]
     assert diff.needs_restart == ["database.dsn", "telemetry.http_address"]
+
+
+# -- secrets from files -------------------------------------------------------------------
+
+
+def secret(tmp_path: Path, name: str, content: str) -> Path:
+    path = tmp_path / name
+    path.write_text(content)
+    path.chmod(0o600)
+    return path
+
+
+def test_dsn_and_url_from_files(tmp_path: Path) -> None:
+    dsn = secret(tmp_path, "dsn", "postgresql://pacerd:s3cret@db.internal/pacerd\n")
+    url = secret(tmp_path, "url", "amqps://pacerd:hunter2@mq.internal/\n")
+    path = write(tmp_path, f'[database]\ndsn_file = "{dsn}"\n[broker]\nurl_file = "{url}"\n')
+    config = load_config(path, {})
+    assert config.database.dsn == "postgresql://pacerd:s3cret@db.internal/pacerd"
+    assert config.broker.url == "amqps://pacerd:hunter2@mq.internal/"
+    assert config.redacted_dsn() == "postgresql://pacerd:***@db.internal/pacerd"
+    assert config.redacted_broker_url() == "amqps://pacerd:***@mq.internal/"
+
+
+def test_secret_files_from_the_environment(tmp_path: Path) -> None:
+    dsn = secret(tmp_path, "dsn", "postgresql://pacerd:s3cret@db.internal/pacerd")
+    config = load_config(None, {"PACERD_DATABASE__DSN_FILE": str(dsn)})
+    assert config.database.dsn == "postgresql://pacerd:s3cret@db.internal/pacerd"
+    assert config.database.dsn_file == str(dsn)
+
+
+def test_password_files_fill_the_urls_password(tmp_path: Path) -> None:
+    secret(tmp_path, "db-password", "p@ss:w/rd\n")
+    secret(tmp_path, "mq-password", "hunter2")
+    path = write(
+        tmp_path,
+        '[database]\ndsn = "postgresql://pacerd@db.internal:5433/pacerd?sslmode=require"\n'
+        'password_file = "db-password"\n'
+        '[broker]\nurl = "amqp://pacerd:placeholder@mq.internal/vhost"\n'
+        'password_file = "mq-password"\n',
+    )
+    config = load_config(path, {})  # relative paths: next to the config file
+    assert config.database.dsn == (
+        "postgresql://pacerd:p%40ss%3Aw%2Frd@db.internal:5433/pacerd?sslmode=require"
+    )
+    assert config.broker.url == "amqp://pacerd:hunter2@mq.internal/vhost"
+    assert "p%40ss" not in config.redacted_dsn()
+
+
+def test_relative_secret_files_come_from_the_credentials_directory(tmp_path: Path) -> None:
+    credentials = tmp_path / "credentials"
+    credentials.mkdir()
+    secret(credentials, "database.dsn", "postgresql://pacerd:s3cret@db.internal/pacerd\n")
+    environ = {
+        "CREDENTIALS_DIRECTORY": str(credentials),
+        "PACERD_DATABASE__DSN_FILE": "database.dsn",
+    }
+    config = load_config(write(tmp_path, ""), environ)
+    assert config.database.dsn == "postgresql://pacerd:s3cret@db.internal/pacerd"
+
+
+def test_secret_file_problems_never_show_the_secret(tmp_path: Path) -> None:
+    bad = secret(tmp_path, "bad-dsn", "mysql://root:s3cret@db/x\n")
+    empty = secret(tmp_path, "empty", "\n")
+    found = problems(
+        f'[database]\ndsn_file = "{bad}"\n'
+        f'[broker]\nurl_file = "{tmp_path / "missing"}"\npassword_file = "{empty}"\n',
+        tmp_path,
+    )
+    assert found == [
+        f"broker.url_file = {str(tmp_path / 'missing')!r}: cannot be read"
+        " (No such file or directory)",
+        f"broker.password_file = {str(empty)!r}: is empty",
+        f"database.dsn (from database.dsn_file: {bad}): must be a postgresql:// URL",
+    ]
+    assert not any("s3cret" in p for p in found)
+
+
+def test_a_secret_file_wins_over_the_key_it_fills(tmp_path: Path) -> None:
+    dsn = secret(tmp_path, "dsn", "postgresql://pacerd:s3cret@db.internal/pacerd")
+    config = load_config(EXAMPLE, {"PACERD_DATABASE__DSN_FILE": str(dsn)})
+    assert config.database.dsn == "postgresql://pacerd:s3cret@db.internal/pacerd"
+
+
+def test_a_password_file_needs_a_user_name(tmp_path: Path) -> None:
+    secret(tmp_path, "password", "s3cret")
+    nameless = problems('[broker]\nurl = "amqp://mq/"\npassword_file = "password"\n', tmp_path)
+    assert nameless == [
+        "broker.password_file = 'password': needs a user name in broker.url to go with the password"
+    ]
+
+
+def test_an_invalid_dsn_in_the_file_is_shown_redacted(tmp_path: Path) -> None:
+    found = problems('[database]\ndsn = "mysql://root:s3cret@db/x"\n', tmp_path)
+    assert found == ["database.dsn = 'mysql://root:***@db/x': must be a postgresql:// URL"]
