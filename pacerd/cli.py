@@ -18,6 +18,8 @@ import traceback
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import shtab
+import tomli_w
 
 from pacerd import __version__
 from pacerd.clock import SystemClock
@@ -94,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
     )
+    as_json = argparse.ArgumentParser(add_help=False)
+    as_json.add_argument("--json", action="store_true", help="machine-readable output")
 
     parser = argparse.ArgumentParser(
         prog="pacerd",
@@ -110,19 +114,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verbs.add_parser("migrate", parents=[common], help="create or upgrade the ledger schema")
     verbs.add_parser(
-        "check-config", parents=[common], help="validate the config file; change nothing"
+        "check-config", parents=[common, as_json], help="validate the config file; change nothing"
     )
+    config = verbs.add_parser("config", parents=[common], help="inspect the configuration")
+    config_verbs = config.add_subparsers(dest="config_verb", required=True, metavar="VERB")
+    config_verbs.add_parser(
+        "show",
+        parents=[common, as_json],
+        help="the effective configuration (file, environment, secret files), secrets masked",
+    )
+    completion = verbs.add_parser(
+        "completion", parents=[common], help="print a shell completion script"
+    )
+    completion.add_argument("shell", choices=shtab.SUPPORTED_SHELLS)
 
     status = verbs.add_parser(
-        "status", parents=[common], help="per-destination state of the ledger"
+        "status", parents=[common, as_json], help="per-destination state of the ledger"
     )
-    status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--watch", action="store_true", help="refresh live in the terminal")
     status.add_argument(
         "--interval", type=float, default=1.0, help="--watch refresh seconds (default 1)"
     )
 
-    schedule = verbs.add_parser("schedule", parents=[common], help="schedule or revise a job")
+    schedule = verbs.add_parser(
+        "schedule", parents=[common, as_json], help="schedule or revise a job"
+    )
     schedule.add_argument("job_id")
     schedule.add_argument("--kind", required=True)
     schedule.add_argument("--destination", required=True)
@@ -133,12 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     schedule.add_argument("--revision", type=int, default=0)
     schedule.add_argument("--max-attempts", type=int)
 
-    cancel = verbs.add_parser("cancel", parents=[common], help="cancel a job")
+    cancel = verbs.add_parser("cancel", parents=[common, as_json], help="cancel a job")
     cancel.add_argument("job_id")
     cancel.add_argument("--reason", help="kept in the job's history")
 
     replay = verbs.add_parser(
-        "replay", parents=[common], help="replay dead jobs through normal admission"
+        "replay", parents=[common, as_json], help="replay dead jobs through normal admission"
     )
     replay.add_argument("job_id", nargs="?", help="one job; or select by filter")
     replay.add_argument("--reason", required=True, help="kept in each job's history (required)")
@@ -148,20 +164,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--limit", type=int, default=10_000, help="replay at most this many (default 10000)"
     )
 
-    dead = verbs.add_parser("dead", parents=[common], help="list dead jobs with their last error")
+    dead = verbs.add_parser(
+        "dead", parents=[common, as_json], help="list dead jobs with their last error"
+    )
     _add_dead_filter(dead)
     dead.add_argument("--limit", type=int, default=50)
-    dead.add_argument("--json", action="store_true")
 
-    show = verbs.add_parser("show", parents=[common], help="a job's state and full history")
+    show = verbs.add_parser(
+        "show", parents=[common, as_json], help="a job's state and full history"
+    )
     show.add_argument("job_id")
-    show.add_argument("--json", action="store_true")
 
     for verb, text in (
         ("pause", "pause admission (durable, every instance)"),
         ("resume", "resume admission"),
     ):
-        p = verbs.add_parser(verb, parents=[common], help=text)
+        p = verbs.add_parser(verb, parents=[common, as_json], help=text)
         p.add_argument("--destination", help="one destination (default: all, present and future)")
 
     worker = verbs.add_parser("worker", parents=[common], help="run a Python worker process")
@@ -200,6 +218,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _status_of(exc)
     except KeyboardInterrupt:
         return EX_INTERRUPTED
+    except BrokenPipeError:  # the reader (`| head`) left: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EX_FAILURE
 
 
 def _status_of(exc: PacerdError) -> int:
@@ -215,23 +236,31 @@ def _status_of(exc: PacerdError) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     from pacerd import config as config_module
 
+    if args.verb == "completion":
+        print(shtab.complete(build_parser(), shell=args.shell), end="")
+        return EX_OK
     environ = dict(os.environ)
     path = args.config or config_module.default_config_path(environ)
     explicit = bool(args.config or environ.get("PACERD_CONFIG"))
     if not explicit and not os.path.exists(path):
         path = None  # no file anywhere: the defaults (and PACERD_* overrides) apply
-    cfg = config_module.load_config(path, environ)
+    try:
+        cfg = config_module.load_config(path, environ)
+    except ConfigError as exc:
+        if args.verb != "check-config" or not args.json:
+            raise
+        _print_json({"config": path, "ok": False, "problems": exc.problems})
+        return EX_CONFIG
 
     if args.verb == "check-config":
-        print(f"{path or 'defaults'}: ok")
-        print(f"  database: {cfg.redacted_dsn()}")
-        print(f"  broker:   {cfg.redacted_broker_url()}")
-        print(
-            f"  pacing:   mode={cfg.pacing.mode} tick={cfg.pacing.tick_seconds}s "
-            f"rate={cfg.pacing.initial_rate}/s in [{cfg.pacing.min_rate}, {cfg.pacing.max_rate}]"
-        )
-        for name in sorted(cfg.destinations):
-            print(f"  destination {name}: queue {cfg.queue_for(name)}")
+        return _check_config(cfg, path, args)
+    if args.verb == "config":
+        shown = cfg.masked()
+        if args.json:
+            _print_json(shown)
+        else:
+            print(f"# the effective configuration of {path or 'the defaults'}, secrets masked")
+            print(tomli_w.dumps(_without_none(shown)), end="")
         return EX_OK
     if args.verb == "run":
         from pacerd import daemon
@@ -247,6 +276,50 @@ def _dispatch(args: argparse.Namespace) -> int:
         return anyio.run(statusview.watch, cfg.database.dsn, args.interval)
     handler = _ASYNC_VERBS[args.verb]
     return anyio.run(handler, cfg, args)
+
+
+def _print_json(doc: object) -> None:
+    print(json.dumps(doc, indent=2, default=str))
+
+
+def _emit(args: argparse.Namespace, doc: dict[str, Any], text: str) -> None:
+    """One result: ``doc`` as JSON with ``--json``, else the line ``text``."""
+    if args.json:
+        _print_json(doc)
+    else:
+        print(text)
+
+
+def _without_none(tree: dict[str, Any]) -> dict[str, Any]:
+    """TOML has no null: an unset per-destination key is left out."""
+    return {
+        k: _without_none(v) if isinstance(v, dict) else v for k, v in tree.items() if v is not None
+    }
+
+
+def _check_config(cfg: Config, path: str | None, args: argparse.Namespace) -> int:
+    pacing = cfg.pacing
+    if args.json:
+        _print_json(
+            {
+                "config": path,
+                "ok": True,
+                "database": cfg.redacted_dsn(),
+                "broker": cfg.redacted_broker_url(),
+                "destinations": {name: cfg.queue_for(name) for name in sorted(cfg.destinations)},
+            }
+        )
+        return EX_OK
+    print(f"{path or 'defaults'}: ok")
+    print(f"  database: {cfg.redacted_dsn()}")
+    print(f"  broker:   {cfg.redacted_broker_url()}")
+    print(
+        f"  pacing:   mode={pacing.mode} tick={pacing.tick_seconds}s "
+        f"rate={pacing.initial_rate}/s in [{pacing.min_rate}, {pacing.max_rate}]"
+    )
+    for name in sorted(cfg.destinations):
+        print(f"  destination {name}: queue {cfg.queue_for(name)}")
+    return EX_OK
 
 
 async def _with_client(cfg: Config, body: Callable[[Any], Awaitable[int]]) -> int:
@@ -299,7 +372,7 @@ async def _schedule(cfg: Config, args: argparse.Namespace) -> int:
             revision=args.revision,
             max_attempts=args.max_attempts,
         )
-        print(f"{args.job_id}: {result}")
+        _emit(args, {"job_id": args.job_id, "result": result}, f"{args.job_id}: {result}")
         return EX_OK
 
     return await _with_client(cfg, body)
@@ -308,7 +381,7 @@ async def _schedule(cfg: Config, args: argparse.Namespace) -> int:
 async def _cancel(cfg: Config, args: argparse.Namespace) -> int:
     async def body(client: Any) -> int:
         result = await client.cancel(args.job_id, args.reason)
-        print(f"{args.job_id}: {result}")
+        _emit(args, {"job_id": args.job_id, "result": result}, f"{args.job_id}: {result}")
         return EX_UNKNOWN_JOB if result == "unknown" else EX_OK
 
     return await _with_client(cfg, body)
@@ -343,19 +416,32 @@ async def _replay(cfg: Config, args: argparse.Namespace) -> int:
         if args.job_id:
             if args.dry_run:
                 found = await client.show(args.job_id)
-                state = found[0].state if found else "unknown"
+                state = str(found[0].state) if found else "unknown"
                 verdict = "replay" if state == "dead" else "not replay"
-                print(f"{args.job_id}: would {verdict} (state {state})")
+                _emit(
+                    args,
+                    {"job_id": args.job_id, "state": state, "would_replay": state == "dead"},
+                    f"{args.job_id}: would {verdict} (state {state})",
+                )
                 return EX_OK if found else EX_UNKNOWN_JOB
             result = await client.replay(args.job_id, args.reason)
-            print(f"{args.job_id}: {result}")
+            _emit(args, {"job_id": args.job_id, "result": result}, f"{args.job_id}: {result}")
             return EX_UNKNOWN_JOB if result == "unknown" else EX_OK
         count = await client.count_dead(selection)
         if args.dry_run:
-            print(f"{min(count, args.limit)} dead job(s) would be replayed ({count} match)")
+            would = min(count, args.limit)
+            _emit(
+                args,
+                {"matched": count, "would_replay": would},
+                f"{would} dead job(s) would be replayed ({count} match)",
+            )
             return EX_OK
         replayed = await client.replay_matching(selection, args.reason, limit=args.limit)
-        print(f"replayed {replayed} dead job(s) ({count} matched)")
+        _emit(
+            args,
+            {"matched": count, "replayed": replayed},
+            f"replayed {replayed} dead job(s) ({count} matched)",
+        )
         return EX_OK
 
     return await _with_client(cfg, body)
@@ -367,7 +453,7 @@ async def _dead(cfg: Config, args: argparse.Namespace) -> int:
     async def body(client: Any) -> int:
         jobs = await client.dead(_dead_filter(args), limit=args.limit)
         if args.json:
-            print(json.dumps([statusview.job_dict(j) for j in jobs], indent=2, default=str))
+            _print_json([statusview.job_dict(j) for j in jobs])
         else:
             statusview.print_dead(jobs)
         return EX_OK
@@ -385,7 +471,7 @@ async def _show(cfg: Config, args: argparse.Namespace) -> int:
         job, events = found
         if args.json:
             doc = statusview.job_dict(job) | {"history": [statusview.event_dict(e) for e in events]}
-            print(json.dumps(doc, indent=2, default=str))
+            _print_json(doc)
         else:
             statusview.print_job(job, events)
         return EX_OK
@@ -397,7 +483,11 @@ async def _pause_resume(cfg: Config, args: argparse.Namespace) -> int:
     async def body(client: Any) -> int:
         operation = client.pause if args.verb == "pause" else client.resume
         result = await operation(args.destination)
-        print(f"{args.destination or 'all destinations'}: {result}")
+        _emit(
+            args,
+            {"destination": args.destination, "result": result},
+            f"{args.destination or 'all destinations'}: {result}",
+        )
         return EX_OK
 
     return await _with_client(cfg, body)
@@ -409,7 +499,7 @@ async def _status(cfg: Config, args: argparse.Namespace) -> int:
     async def body(client: Any) -> int:
         rows = await client.status()
         if args.json:
-            print(json.dumps([statusview.status_dict(r) for r in rows], indent=2, default=str))
+            _print_json([statusview.status_dict(r) for r in rows])
         else:
             statusview.print_status(rows)
         return EX_OK

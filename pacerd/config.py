@@ -272,6 +272,13 @@ class Config(_Section):
     def redacted_broker_url(self) -> str:
         return _redact(self.broker.url)
 
+    def masked(self) -> dict[str, Any]:
+        """Every key with its effective value, the DSN and broker passwords masked."""
+        tree = self.model_dump(mode="json")
+        tree["database"]["dsn"] = self.redacted_dsn()
+        tree["broker"]["url"] = self.redacted_broker_url()
+        return tree
+
 
 _SECTIONS: dict[str, type[_Section]] = {
     "database": DatabaseConfig,

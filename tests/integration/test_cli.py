@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tomllib
 from typing import TYPE_CHECKING
 
 import pytest
@@ -253,3 +255,84 @@ async def test_a_password_file_is_masked_in_check_config(db_dsn: str, tmp_path: 
     assert checked.returncode == EX_OK, checked.stderr
     assert "postgresql://pacerd:***@db.internal/pacerd" in checked.stdout
     assert "pw-from-file-71" not in checked.stdout + checked.stderr
+
+
+async def test_every_result_verb_speaks_json(db_dsn: str) -> None:
+    def doc(*args: str) -> object:
+        result = pacerd(db_dsn, *args, "--json")
+        assert result.returncode in (EX_OK, EX_UNKNOWN_JOB), result.stderr
+        return json.loads(result.stdout)
+
+    schedule = ("schedule", "j-1", "--kind", "k", "--destination", "cli-json")
+    assert doc(*schedule) == {"job_id": "j-1", "result": "scheduled"}
+    assert doc(*schedule) == {"job_id": "j-1", "result": "unchanged"}
+    assert doc("cancel", "j-1") == {"job_id": "j-1", "result": "cancelled"}
+    assert doc("cancel", "nope") == {"job_id": "nope", "result": "unknown"}
+    pacerd(db_dsn, "schedule", "j-2", "--kind", "k", "--destination", "cli-json")
+    await _kill(db_dsn, "j-2")
+    assert doc("replay", "j-2", "--reason", "x", "--dry-run") == {
+        "job_id": "j-2", "state": "dead", "would_replay": True,
+    }  # fmt: skip
+    assert doc("replay", "--destination", "cli-json", "--reason", "x", "--dry-run") == {
+        "matched": 1, "would_replay": 1,
+    }  # fmt: skip
+    assert doc("replay", "--destination", "cli-json", "--reason", "x") == {
+        "matched": 1, "replayed": 1,
+    }  # fmt: skip
+    assert doc("replay", "j-2", "--reason", "x") == {"job_id": "j-2", "result": "unchanged"}
+    assert doc("pause", "--destination", "cli-json") == {
+        "destination": "cli-json", "result": "paused",
+    }  # fmt: skip
+    assert doc("resume") == {"destination": None, "result": "resumed"}
+
+
+async def test_check_config_json(db_dsn: str, tmp_path: Path) -> None:
+    good = json.loads(pacerd(db_dsn, "check-config", "--json").stdout)
+    assert good["ok"] is True
+    assert good["database"] == db_dsn
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[pacing]\ntick_second = 1\n")
+    result = pacerd(db_dsn, "check-config", "--json", config=bad)
+    assert result.returncode == 78
+    assert json.loads(result.stdout) == {
+        "config": str(bad),
+        "ok": False,
+        "problems": ["pacing.tick_second = 1: unknown key, did you mean `tick_seconds`?"],
+    }
+
+
+async def test_config_show_is_the_merged_configuration_masked(db_dsn: str, tmp_path: Path) -> None:
+    (tmp_path / "mq-password").write_text("mq-secret-52\n")
+    config = tmp_path / "pacerd.toml"
+    config.write_text(
+        '[broker]\nurl = "amqp://pacerd@mq.internal/"\npassword_file = "mq-password"\n'
+        "[pacing]\ntick_seconds = 0.5\n[destinations.smtp]\nmax_rate = 50.0\n"
+    )
+    env = {"PACERD_PACING__MAX_RATE": "400"}
+    shown = pacerd(db_dsn, "config", "show", config=config, env=env)
+    assert shown.returncode == EX_OK, shown.stderr
+    assert "mq-secret-52" not in shown.stdout
+    tree = tomllib.loads(shown.stdout)
+    assert tree["broker"]["url"] == "amqp://pacerd:***@mq.internal/"
+    assert tree["broker"]["password_file"] == "mq-password"
+    assert tree["pacing"]["tick_seconds"] == 0.5
+    assert tree["pacing"]["max_rate"] == 400.0
+    assert tree["destinations"]["smtp"]["max_rate"] == 50.0
+    assert tree["retry"]["max_attempts"] == 10  # defaults are shown too
+    as_json = json.loads(pacerd(db_dsn, "config", "show", "--json", config=config, env=env).stdout)
+    assert as_json["broker"] == tree["broker"]
+    assert as_json["destinations"]["smtp"]["min_rate"] is None
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="bash is not installed")
+def test_bash_completion_from_the_parser() -> None:
+    script = pacerd("postgresql://unused@127.0.0.1:1/none", "completion", "bash")
+    assert script.returncode == EX_OK, script.stderr
+    for verb in ("run", "migrate", "status", "replay", "config", "completion"):
+        assert verb in script.stdout
+    registered = subprocess.run(
+        ["bash", "-c", 'eval "$1" && complete -p pacerd', "bash", script.stdout],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert registered.returncode == 0, registered.stderr
+    assert registered.stdout.strip().endswith(" pacerd")
