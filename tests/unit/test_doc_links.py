@@ -1,0 +1,65 @@
+"""Every relative link in the documentation names a file that exists, and every
+``#anchor`` a heading of that file (GitHub's slugs)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = sorted(
+    [
+        ROOT / "README.md",
+        ROOT / "CHANGELOG.md",
+        *(ROOT / "docs").glob("*.md"),
+        *(ROOT / "examples").glob("*/README.md"),
+    ]
+)
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
+
+
+def slug(heading: str) -> str:
+    text = re.sub(r"`([^`]*)`", r"\1", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    found: set[str] = set()
+    for line in FENCE.sub("", path.read_text()).splitlines():
+        match = re.match(r"^#{1,6}\s+(.*)$", line)
+        if match:
+            base = slug(match.group(1))
+            name, n = base, 0
+            while name in found:
+                n += 1
+                name = f"{base}-{n}"
+            found.add(name)
+    return found
+
+
+def links(path: Path) -> list[str]:
+    return LINK.findall(FENCE.sub("", path.read_text()))
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(doc: Path) -> None:
+    broken: list[str] = []
+    for target in links(doc):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):
+            continue  # https:, mailto:
+        file_part, _, anchor = target.partition("#")
+        linked = (doc.parent / file_part).resolve() if file_part else doc
+        if not linked.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
+            broken.append(f"{target}: no heading #{anchor}")
+    assert broken == []
+
+
+def test_slugs_follow_github() -> None:
+    assert slug("The pacer, tick by tick") == "the-pacer-tick-by-tick"
+    assert slug("Roles — not yet implemented") == "roles--not-yet-implemented"
+    assert slug("`pacerd.tick` spans") == "pacerdtick-spans"
