@@ -273,6 +273,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.verb == "status" and args.watch:
         from pacerd import statusview
 
+        anyio.run(_check_ledger, cfg)
         return anyio.run(statusview.watch, cfg.database.dsn, args.interval)
     handler = _ASYNC_VERBS[args.verb]
     return anyio.run(handler, cfg, args)
@@ -320,6 +321,15 @@ def _check_config(cfg: Config, path: str | None, args: argparse.Namespace) -> in
     for name in sorted(cfg.destinations):
         print(f"  destination {name}: queue {cfg.queue_for(name)}")
     return EX_OK
+
+
+async def _check_ledger(cfg: Config) -> None:
+    """Raises what any verb would (unreachable, not migrated) before a live view starts."""
+
+    async def body(client: Any) -> int:
+        return EX_OK
+
+    await _with_client(cfg, body)
 
 
 async def _with_client(cfg: Config, body: Callable[[Any], Awaitable[int]]) -> int:

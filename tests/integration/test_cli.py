@@ -219,6 +219,7 @@ async def test_an_unmigrated_ledger_is_not_retried(empty_db_dsn: str) -> None:
     run = pacerd(empty_db_dsn, "run")
     assert run.returncode == EX_NOT_MIGRATED, run.stderr
     assert "pacerd migrate" in run.stdout + run.stderr
+    assert pacerd(empty_db_dsn, "status", "--watch").returncode == EX_NOT_MIGRATED
     status = pacerd(empty_db_dsn, "status")
     assert status.returncode == EX_NOT_MIGRATED
     pending = ", ".join(name for _, name, _ in migration_files())
