@@ -492,3 +492,18 @@ def test_a_password_file_needs_a_user_name(tmp_path: Path) -> None:
 def test_an_invalid_dsn_in_the_file_is_shown_redacted(tmp_path: Path) -> None:
     found = problems('[database]\ndsn = "mysql://root:s3cret@db/x"\n', tmp_path)
     assert found == ["database.dsn = 'mysql://root:***@db/x': must be a postgresql:// URL"]
+
+
+def test_a_password_from_a_file_is_masked_in_log_lines(tmp_path: Path) -> None:
+    from pacerd.telemetry import redact
+
+    secret(tmp_path, "password", "p@ss:w/rd%20 x\n")
+    path = write(
+        tmp_path, '[database]\ndsn = "postgresql://pacerd@db/x"\npassword_file = "password"\n'
+    )
+    dsn = load_config(path, {}).database.dsn
+    line = f"ledger_unavailable dsn={dsn} error=connection refused"
+    assert (
+        redact(line)
+        == "ledger_unavailable dsn=postgresql://pacerd:***@db/x error=connection refused"
+    )
