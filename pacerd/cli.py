@@ -112,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--shadow", action="store_true", help="compute decisions, claim and publish nothing"
     )
-    verbs.add_parser("migrate", parents=[common], help="create or upgrade the ledger schema")
+    verbs.add_parser(
+        "migrate", parents=[common, as_json], help="create or upgrade the ledger schema"
+    )
     verbs.add_parser(
         "check-config", parents=[common, as_json], help="validate the config file; change nothing"
     )
@@ -358,7 +360,9 @@ async def _migrate(cfg: Config, args: argparse.Namespace) -> int:
         await led.write_settings(ledger.settings_from_retry(cfg.retry))
     finally:
         await led.close()
-    if applied:
+    if args.json:
+        _print_json({"applied": applied})
+    elif applied:
         for name in applied:
             print(f"applied {name}")
     else:

@@ -69,6 +69,7 @@ async def test_migrate_on_an_empty_database_then_again(empty_db_dsn: str) -> Non
     again = pacerd(empty_db_dsn, "migrate")
     assert again.returncode == 0
     assert again.stdout.strip() == "ledger schema is up to date"
+    assert json.loads(pacerd(empty_db_dsn, "migrate", "--json").stdout) == {"applied": []}
 
 
 async def test_check_config(db_dsn: str, tmp_path: Path) -> None:
