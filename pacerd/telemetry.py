@@ -294,6 +294,17 @@ def _env_list(name: str, default: str) -> list[str]:
     return [p for part in raw.split(",") if (p := part.strip().lower()) and p != "none"]
 
 
+def _default_exporter(signal: str) -> str:
+    """``otlp`` when an OTLP endpoint is configured for ``signal`` (TRACES or
+    METRICS), else ``none``: the SDK exports nothing unless asked, and an OTLP
+    exporter with no collector would retry against localhost:4318 and log the
+    failures every few seconds. ``OTEL_*_EXPORTER=otlp`` still selects it."""
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT"):
+        if os.environ.get(name, "").strip():
+            return "otlp"
+    return "none"
+
+
 def _otlp_protocol(signal: str) -> str:
     return (
         os.environ.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL", "").strip()
@@ -327,7 +338,7 @@ def _plugin_name(kind: str, signal: str) -> str:
 
 def _span_exporters_from_env() -> list[SpanExporter]:
     exporters: list[SpanExporter] = []
-    for kind in _env_list("OTEL_TRACES_EXPORTER", "otlp"):
+    for kind in _env_list("OTEL_TRACES_EXPORTER", _default_exporter("TRACES")):
         factory = _load_plugin("opentelemetry_traces_exporter", _plugin_name(kind, "TRACES"))
         made = factory() if callable(factory) else None
         if isinstance(made, SpanExporter):
@@ -339,7 +350,7 @@ def _metric_readers_from_env(
     registry: CollectorRegistry | None, exporters: list[MetricExporter]
 ) -> list[MetricReader]:
     readers: list[MetricReader] = []
-    for kind in _env_list("OTEL_METRICS_EXPORTER", "otlp"):
+    for kind in _env_list("OTEL_METRICS_EXPORTER", _default_exporter("METRICS")):
         if kind == "prometheus":  # served by health.py, not by a server of its own
             readers.append(_prometheus_reader(registry))
             continue
@@ -667,9 +678,11 @@ def setup_telemetry(
     """Configure logging, traces and metrics; return the ``Telemetry`` to hand around.
 
     Exporters follow ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER``
-    (``otlp`` by default, over HTTP; ``console``; ``none``; ``prometheus`` for
-    metrics), the sampler ``OTEL_TRACES_SAMPLER``, endpoints and the rest of
-    ``OTEL_*`` are read by the SDK itself. ``span_exporter`` (exported at once,
+    (``otlp`` over HTTP, ``console``, ``none``, ``prometheus`` for metrics);
+    unset, a signal goes over OTLP only when ``OTEL_EXPORTER_OTLP_ENDPOINT`` or
+    the signal's own endpoint variable is set, and nowhere otherwise. The
+    sampler ``OTEL_TRACES_SAMPLER``, endpoints and the rest of ``OTEL_*`` are
+    read by the SDK itself. ``span_exporter`` (exported at once,
     for tests) or ``metric_readers`` replace the environment's choice.
     ``prometheus`` adds a reader feeding ``prometheus_registry`` (default: the
     global registry that ``/metrics`` serves). ``set_global`` also installs the

@@ -5,12 +5,14 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import threading
 import time
 from typing import TYPE_CHECKING
 
 import pytest
 import structlog
+from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.sdk.metrics.export import (
@@ -301,6 +303,53 @@ def _env_telemetry(monkeypatch: pytest.MonkeyPatch, **env: str) -> Telemetry:
 
 def _names(items: Sequence[object]) -> list[str]:
     return [type(item).__name__ for item in items]
+
+
+def _without_otel_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in [k for k in os.environ if k.startswith("OTEL_")]:
+        monkeypatch.delenv(key)
+
+
+def test_no_endpoint_configured_exports_nothing_and_logs_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _without_otel_env(monkeypatch)
+    stream = io.StringIO()
+    tel = setup_telemetry(
+        "pacerd", "debug", "json", log_stream=stream, prometheus_registry=CollectorRegistry()
+    )
+    for _ in range(3):
+        with tel.tick_span("mail"):
+            record_a_tick(tel)
+    assert (tel.span_exporters, tel.metric_exporters, tel.metric_readers) == ((), (), ())
+    tel.shutdown(timeout_seconds=2)
+    otel_lines = [line for line in stream.getvalue().splitlines() if "opentelemetry" in line]
+    assert otel_lines == []
+    assert "4318" not in stream.getvalue()
+
+
+def test_explicit_otlp_exporter_is_kept_without_an_endpoint(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _without_otel_env(monkeypatch)
+    tel = _env_telemetry(monkeypatch, OTEL_TRACES_EXPORTER="otlp")
+    try:
+        assert _names(tel.span_exporters) == [OTLPSpanExporter.__name__]
+        assert tel.metric_readers == ()
+    finally:
+        tel.shutdown(timeout_seconds=0.5)
+
+
+def test_a_signal_endpoint_selects_otlp_for_that_signal_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _without_otel_env(monkeypatch)
+    tel = _env_telemetry(monkeypatch, OTEL_EXPORTER_OTLP_METRICS_ENDPOINT="http://127.0.0.1:9")
+    try:
+        assert tel.span_exporters == ()
+        assert _names(tel.metric_exporters) == [OTLPMetricExporter.__name__]
+    finally:
+        tel.shutdown(timeout_seconds=0.5)
 
 
 def test_none_exporters(monkeypatch: pytest.MonkeyPatch) -> None:
