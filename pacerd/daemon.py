@@ -83,7 +83,10 @@ class TelemetryObserver:
         messages = [message_id(job.job_id, job.attempt) for job in jobs]
         with self.telemetry.publish_span(destination, messages=messages):
             inject_traceparent(headers)
-            yield headers
+            began = self.clock.monotonic()
+            yield headers  # the slice is published and its confirms awaited here
+            seconds = self.clock.monotonic() - began
+        self.telemetry.record_publish(destination, confirm_seconds=seconds)
 
     def mark_offered_span(self, destination: str, *, count: int) -> AbstractContextManager[Any]:
         if self.telemetry is None:
@@ -107,6 +110,16 @@ class TelemetryObserver:
                 refused=result.refused,
                 shadow=result.shadow,
             )
+            self.telemetry.record_admission_state(
+                result.destination,
+                paused=result.skipped == "paused",
+                paused_locally=result.skipped == "paused_local",
+                cooldown=result.skipped == "cooldown",
+            )
+            self.telemetry.record_publish(
+                result.destination, nacked=result.nacked, returned=result.returned,
+                timeouts=result.confirm_timeouts,
+            )  # fmt: skip
         log.debug(
             "tick_completed",
             destination=result.destination,
@@ -435,6 +448,8 @@ class Daemon:
                     admission, leads=leads, stop=self.stop_requested, on_pass=on_pass
                 )
                 tg.cancel_scope.cancel()
+        if self.telemetry is not None:
+            self.telemetry.forget_destination(destination)
         if not lost and not self.stop_requested.is_set() and not locks.has_lock(destination):
             log.warning("leadership_lost", destination=destination)
 
@@ -520,6 +535,8 @@ class Daemon:
                 await self._supervise_broker()
                 names = await self._supervise_destinations(tg)
                 await self._supervise_leadership(names)
+                if self.telemetry is not None:
+                    self.telemetry.record_leadership({d: self.locks.holds(d) for d in names})
             except PacerdError as exc:
                 log.warning("supervisor_pass_failed", error=str(exc))
             if not started:
@@ -547,6 +564,8 @@ class Daemon:
                     oldest = row.oldest_scheduled_at
                     age = (self.clock.now() - oldest).total_seconds() if oldest else None
                     self.observer.due[row.destination] = (row.due, age)
+                    if self.telemetry is not None:
+                        self.telemetry.record_dead(row.destination, row.dead)
                 self.notifier.status(self._status_line())
             except PacerdError as exc:
                 log.warning("due_summary_failed", error=str(exc))
@@ -597,9 +616,7 @@ class Daemon:
         if self.telemetry is None:
             return
         if self._ok_applied:
-            self.telemetry.outcomes_applied.add(
-                self._ok_applied, {"outcome": "ok", "result": "applied"}
-            )
+            self.telemetry.count_outcomes("ok", "applied", self._ok_applied)
             self._ok_applied = 0
         if result.invalid:
             self.telemetry.outcomes_invalid.add(result.invalid, {"reason": "malformed"})
@@ -736,6 +753,7 @@ def main(cfg: Config, *, config_path: str | None, shadow: bool = False) -> int:
         cfg.telemetry.log_format,
         prometheus=bool(cfg.telemetry.http_address),
         set_global=True,
+        instance=instance_name(cfg),
     )
 
     async def run() -> int:
