@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import io
 import json
 import os
 import re
@@ -32,8 +33,10 @@ import opentelemetry.environment_variables as otel_env_api
 import opentelemetry.sdk.environment_variables as otel_env_sdk
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry
 
 from pacerd import cli, config, daemon, worker
+from pacerd.telemetry import METRICS, setup_telemetry
 from pacerd.testing import demo_app
 
 if TYPE_CHECKING:
@@ -522,3 +525,139 @@ def test_programs_in_the_image_need_no_extra(
     )  # fmt: skip
     assert "matplotlib" in blocked
     assert run.returncode == 0, run.stderr
+
+
+# -- Prometheus, alert rules, Grafana ------------------------------------------------
+
+needs_promtool = pytest.mark.skipif(
+    shutil.which("promtool") is None,
+    reason="promtool is not installed (Debian: apt-get install prometheus)",
+)
+GRAFANA = DEPLOY / "grafana"
+SCRAPE_LABELS = {"instance", "job", "le"}  # added by Prometheus, or a histogram's buckets
+
+
+def promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["promtool", *args], capture_output=True, text=True, timeout=120, cwd=cwd, check=False
+    )
+
+
+@needs_promtool
+def test_alert_rules_pass_promtool_and_their_unit_tests() -> None:
+    check = promtool("check", "rules", "alerts.yml", cwd=DEPLOY)
+    assert check.returncode == 0, check.stdout + check.stderr
+    tested = promtool("test", "rules", "alerts.test.yml", cwd=DEPLOY)
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+    rules = load_yaml(DEPLOY / "alerts.yml")["groups"][0]["rules"]
+    tests = load_yaml(DEPLOY / "alerts.test.yml")["tests"]
+    fired = {
+        case["alertname"] for test in tests for case in test["alert_rule_test"]
+        if case["exp_alerts"]
+    }  # fmt: skip
+    assert fired == {rule["alert"] for rule in rules}  # every rule has a test where it fires
+
+
+@needs_promtool
+def test_prometheus_config_passes_promtool(tmp_path: Path) -> None:
+    prometheus = load_yaml(DEPLOY / "prometheus.yml")
+    mounted = {
+        str(v).split(":")[1]: str(v).split(":")[0]
+        for v in load_yaml(COMPOSE)["services"]["prometheus"]["volumes"]
+    }  # fmt: skip
+    # rule files are named by their path in the container: check the files mounted there
+    for index, path in enumerate(prometheus["rule_files"]):
+        source = ROOT / mounted[path]
+        (tmp_path / source.name).write_text(source.read_text())
+        prometheus["rule_files"][index] = str(tmp_path / source.name)
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(prometheus))
+    check = promtool("check", "config", "prometheus.yml", cwd=tmp_path)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def scrape_every_metric() -> dict[str, set[str]]:
+    """Each Prometheus series name a telemetry instance exports, with its labels,
+    after recording a value for every metric pacerd has."""
+    registry = CollectorRegistry()
+    tel = setup_telemetry(
+        "pacerd", "info", "json", metric_readers=[], prometheus=True,
+        prometheus_registry=registry, log_stream=io.StringIO(), instance="h:1",
+    )  # fmt: skip
+    try:
+        tel.record_tick(
+            "llm", rate=2.5, budget=3, admitted=2, inflight=4, due=10,
+            oldest_due_age_seconds=12.0, drain_eta_seconds=4.0, refused=1, duration_seconds=0.02,
+        )  # fmt: skip
+        tel.record_reconcile(claims_released=1, offers_rescheduled=1, offers_dead=1)
+        tel.record_outcome("refused", "stale")
+        tel.record_invalid_outcome("not_json")
+        tel.record_dead("llm", 3)
+        tel.record_leadership({"llm": True})
+        tel.record_admission_state("llm", paused=True, paused_locally=False, cooldown=True)
+        tel.record_publish("llm", confirm_seconds=0.01, nacked=1, returned=1, timeouts=1)
+        families = list(registry.collect())
+    finally:
+        tel.shutdown(timeout_seconds=2)
+    family_names = {family.name for family in families}
+    for metric in METRICS:  # so a metric added to telemetry.py is recorded above too
+        assert any(f.startswith(metric.replace(".", "_")) for f in family_names), metric
+    series: dict[str, set[str]] = {"up": set()}
+    for family in families:
+        for sample in family.samples:
+            series.setdefault(sample.name, set()).update(sample.labels)
+    return series
+
+
+def queries() -> list[tuple[str, str]]:
+    """(where, PromQL) of every dashboard panel, template variable and alert rule."""
+    found: list[tuple[str, str]] = []
+    dashboard = json.loads((GRAFANA / "dashboards" / "pacerd.json").read_text())
+    for panel in dashboard["panels"]:
+        found += [(panel["title"], target["expr"]) for target in panel["targets"]]
+    for variable in dashboard["templating"]["list"]:
+        found.append((f"${variable['name']}", variable["definition"]))
+    for group in load_yaml(DEPLOY / "alerts.yml")["groups"]:
+        found += [(rule["alert"], rule["expr"]) for rule in group["rules"]]
+    return found
+
+
+def test_dashboard_and_rules_query_only_what_pacerd_exports() -> None:
+    series = scrape_every_metric()
+    labels = set().union(*series.values()) | SCRAPE_LABELS
+    selector = re.compile(r"\b(pacerd_\w+|up)\s*(?:\{([^}]*)\})?")
+    for where, expr in queries():
+        names = [match.group(1) for match in selector.finditer(expr)]
+        assert names, (where, expr)
+        for match in selector.finditer(expr):
+            name, matchers = match.group(1), match.group(2) or ""
+            assert name in series, (where, name)
+            for label in re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", matchers):
+                assert label in series[name] | SCRAPE_LABELS, (where, name, label)
+        for grouping in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expr):
+            for label in filter(None, (part.strip() for part in grouping.split(","))):
+                assert label in labels, (where, label)
+    rules_text = (DEPLOY / "alerts.yml").read_text()
+    legends = (GRAFANA / "dashboards" / "pacerd.json").read_text()
+    for label in re.findall(r"\$labels\.(\w+)", rules_text) + re.findall(r"\{\{(\w+)\}\}", legends):
+        assert label in labels, label
+
+
+def test_grafana_provisioning_matches_compose() -> None:
+    grafana = load_yaml(COMPOSE)["services"]["grafana"]
+    mounts = dict(str(v).split(":")[:2] for v in grafana["volumes"])
+    assert mounts["./deploy/grafana/provisioning"] == "/etc/grafana/provisioning"
+    [provider] = load_yaml(GRAFANA / "provisioning" / "dashboards" / "pacerd.yaml")["providers"]
+    assert mounts["./deploy/grafana/dashboards"] == provider["options"]["path"]
+    [source] = load_yaml(GRAFANA / "provisioning" / "datasources" / "prometheus.yaml")[
+        "datasources"
+    ]
+    dashboard = json.loads((GRAFANA / "dashboards" / "pacerd.json").read_text())
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home == f"{provider['options']['path']}/pacerd.json"
+    ids = [panel["id"] for panel in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    uids = {
+        target["datasource"]["uid"] for panel in dashboard["panels"]
+        for target in [panel, *panel["targets"]]
+    }  # fmt: skip
+    assert uids == {source["uid"]}
