@@ -27,13 +27,13 @@ from pacerd import config as config_module
 from pacerd import ledger as ledger_module
 from pacerd.admission import AdmissionConfig, DestinationAdmission, TickResult, run_destination
 from pacerd.clock import Clock, SystemClock
-from pacerd.errors import ConfigError, LedgerUnavailable, MigrationError, PacerdError
+from pacerd.errors import ConfigError, LedgerError, LedgerUnavailable, MigrationError, PacerdError
 from pacerd.outcomes import OutcomeConsumer, OutcomeResult
 from pacerd.publisher import Broker, message_id
 from pacerd.reconciler import Reconciler, ReconcilerConfig, ReconcileResult
 from pacerd.sdnotify import Notifier, watchdog_interval_seconds
 from pacerd.signals import handle_signals
-from pacerd.telemetry import inject_traceparent
+from pacerd.telemetry import inject_traceparent, redact
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
@@ -187,6 +187,7 @@ class Daemon:
         self._watchdog_every = min(1.0, watchdog_interval_seconds() or 1.0)
         self._next_watchdog = 0.0
         self._ok_applied = 0  # `ok` reports applied since the last batch was counted
+        self._ledger_error: str | None = None  # the last supervisor pass's, for /readyz
 
     # -- SignalTarget ----------------------------------------------------------
 
@@ -537,7 +538,10 @@ class Daemon:
                 await self._supervise_leadership(names)
                 if self.telemetry is not None:
                     self.telemetry.record_leadership({d: self.locks.holds(d) for d in names})
+                self._ledger_error = None
             except PacerdError as exc:
+                if isinstance(exc, LedgerError):
+                    self._ledger_error = redact(str(exc))
                 log.warning("supervisor_pass_failed", error=str(exc))
             if not started:
                 task_status.started()
@@ -739,8 +743,13 @@ class Daemon:
         return self._watchdog_due(), {"instance": self.instance}
 
     def _readiness(self) -> tuple[bool, dict[str, Any]]:
-        ok = self.ready and self.broker.connected and self.ledger is not None
-        return ok, {"broker": self.broker.connected, "leading": sorted(self.locks.held)}
+        """Ledger and broker reachable (the supervisor pass reads the ledger every tick)."""
+        ledger = self.ledger is not None and self._ledger_error is None
+        ok = self.ready and self.broker.connected and ledger
+        data: dict[str, Any] = {"broker": self.broker.connected, "ledger": ledger}
+        if self._ledger_error is not None:
+            data["ledger_error"] = self._ledger_error
+        return ok, {**data, "leading": sorted(self.locks.held)}
 
 
 def main(cfg: Config, *, config_path: str | None, shadow: bool = False) -> int:

@@ -176,7 +176,8 @@ def test_dockerfile_entrypoint_signal_and_healthcheck() -> None:
     command = json.loads(health.split(" CMD ", 1)[1])
     assert command[:2] == ["python", "-c"]
     assert "urllib.request" in command[2]
-    url = re.search(r"http://127\.0\.0\.1:(\d+)/healthz", command[2])
+    # liveness only: a broker outage must not get a reconnecting daemon restarted
+    url = re.search(r"http://127\.0\.0\.1:(\d+)/livez'", command[2])
     assert url, command
     env = " ".join(rest for word, rest in stage if word == "ENV")
     assert f"PACERD_TELEMETRY__HTTP_ADDRESS=0.0.0.0:{url.group(1)}" in env
@@ -469,6 +470,9 @@ def test_compose_mounts_exist_and_health_dependencies_have_checks(
     for name, service in services.items():
         if service["image"] == PACERD_IMAGE and name != "pacerd":
             assert service["healthcheck"] == {"disable": True}, name
+    # pacerd keeps the image's liveness check, or names /livez itself
+    check = services["pacerd"].get("healthcheck")
+    assert check is None or "/livez" in " ".join(check["test"])
 
 
 def test_compose_pacerd_lifecycle(compose: dict[str, Any]) -> None:
