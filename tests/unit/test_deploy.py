@@ -273,7 +273,8 @@ def program_of(service: dict[str, Any], env: dict[str, str]) -> Program:
             sources.append(inspect.getsource(app_module))
         listens: set[int] = set()
         if args.verb == "run":
-            cfg = config.load_config(None, env)
+            image_defaults = {k: v for k, v in image_env().items() if k != "PACERD_CONFIG"}
+            cfg = config.load_config(None, {**image_defaults, **env})
             if cfg.telemetry.http_address:
                 listens.add(port_of(cfg.telemetry.http_address))
         return Program(tuple(sources), True, "setup_telemetry" in sources[0], frozenset(listens))
@@ -369,7 +370,7 @@ def test_compose_environment_is_read_by_its_program(
         if pacerd_env:
             assert program.reads_config, (name, sorted(pacerd_env))
             config.load_config(None, pacerd_env)  # ConfigError names an unknown key
-        for key, value in env.items():
+        for key in env:
             if key.startswith("PACERD_"):
                 continue
             if key.startswith("OTEL_"):
@@ -377,7 +378,6 @@ def test_compose_environment_is_read_by_its_program(
                 assert key in otel_names, (name, key)
                 continue
             assert any(f'"{key}"' in source for source in program.sources), (name, key)
-            del value
     config.load_config(None, {k: v for k, v in image_env().items() if k != "PACERD_CONFIG"})
     for name, service in services_of(compose).items():
         if name in programs or name == "otel-collector" or name == "prometheus":
@@ -665,3 +665,15 @@ def test_grafana_provisioning_matches_compose() -> None:
         for target in [panel, *panel["targets"]]
     }  # fmt: skip
     assert uids == {source["uid"]}
+
+
+def test_collector_pipelines_reach_jaeger_and_prometheus() -> None:
+    collector = load_yaml(DEPLOY / "otel-collector.yaml")
+    pipelines = collector["service"]["pipelines"]
+    exporters = collector["exporters"]
+    assert [exporters[e]["endpoint"] for e in pipelines["traces"]["exporters"]] == ["jaeger:4317"]
+    assert pipelines["metrics"]["exporters"] == ["prometheus"]
+    for pipeline in pipelines.values():
+        assert set(pipeline["receivers"]) <= set(collector["receivers"])
+        assert set(pipeline.get("processors", [])) <= set(collector["processors"])
+        assert set(pipeline["exporters"]) <= set(exporters)
