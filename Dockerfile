@@ -35,12 +35,14 @@ RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
 # Defaults only: the DSN and broker URL (with passwords) come from the environment.
 COPY --chmod=0644 config.example.toml /etc/pacerd/pacerd.toml
 USER 10001:10001
-# /healthz and Prometheus /metrics ([telemetry] http_address, set above).
+# /livez, /readyz, /healthz and Prometheus /metrics ([telemetry] http_address, set above).
 EXPOSE 9464
 STOPSIGNAL SIGTERM
-# The daemon's own liveness: the tick loop progressed recently and connections are up.
-# There is no curl in slim images; urlopen raises (exit 1) on a 503 or no answer.
+# Liveness only (/livez): the tick loop progressed recently. A lost broker or ledger
+# makes pacerd unready (/readyz), not unhealthy: it reconnects by itself, and a
+# restart would not help. There is no curl in slim images; urlopen raises (exit 1)
+# on a 503 or no answer.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
-    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:9464/healthz', timeout=4)"]
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:9464/livez', timeout=4)"]
 ENTRYPOINT ["pacerd"]
 CMD ["run", "-c", "/etc/pacerd/pacerd.toml"]

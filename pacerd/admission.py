@@ -156,6 +156,9 @@ class TickResult:
     refused: int = 0
     shadow: bool = False
     oldest_due_at: dt.datetime | None = None
+    nacked: int = 0  # publishes the broker refused
+    returned: int = 0  # publishes the broker returned unroutable
+    confirm_timeouts: int = 0  # publishes not confirmed within publish_timeout_seconds
 
     @property
     def refusal_ratio(self) -> float | None:
@@ -163,11 +166,20 @@ class TickResult:
         return self.refused / total if total else None
 
 
+def rejection_reason(error: PublishError) -> str:
+    """``returned`` for a message the broker returned unroutable (the publisher
+    words those "unroutable: ..."), ``nacked`` for any other refusal."""
+    return "returned" if str(error).startswith("unroutable") else "nacked"
+
+
 @dataclass(slots=True)
 class _Publishing:
     confirmed: list[JobRef] = field(default_factory=list)
     failed: list[JobRef] = field(default_factory=list)
     marked: int = 0
+    nacked: int = 0
+    returned: int = 0
+    timeouts: int = 0
     broker_down: bool = False
     timed_out: bool = False
     stopped: bool = False
@@ -428,6 +440,9 @@ class DestinationAdmission:
             accepted=window.accepted,
             refused=window.refused,
             shadow=cfg.shadow,
+            nacked=outcome.nacked,
+            returned=outcome.returned,
+            confirm_timeouts=outcome.timeouts,
         )
         await self.ledger.save_pacer_state(
             dest,
@@ -597,8 +612,13 @@ class DestinationAdmission:
                 outcome.broker_down = True
             elif isinstance(error, PublishTimeout):
                 outcome.timed_out = True
+                outcome.timeouts += 1
             else:
                 rejected += 1
+                if rejection_reason(error) == "returned":
+                    outcome.returned += 1
+                else:
+                    outcome.nacked += 1
                 first_error = first_error or error
         if first_error is not None:
             log.warning(

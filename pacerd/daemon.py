@@ -27,14 +27,14 @@ from pacerd import config as config_module
 from pacerd import ledger as ledger_module
 from pacerd.admission import AdmissionConfig, DestinationAdmission, TickResult, run_destination
 from pacerd.clock import Clock, SystemClock
-from pacerd.errors import ConfigError, LedgerUnavailable, MigrationError, PacerdError
+from pacerd.errors import ConfigError, LedgerError, LedgerUnavailable, MigrationError, PacerdError
 from pacerd.exitcodes import EX_NOT_MIGRATED
 from pacerd.outcomes import OutcomeConsumer, OutcomeResult
 from pacerd.publisher import Broker, message_id
 from pacerd.reconciler import Reconciler, ReconcilerConfig, ReconcileResult
 from pacerd.sdnotify import Notifier, watchdog_interval_seconds
 from pacerd.signals import handle_signals
-from pacerd.telemetry import inject_traceparent
+from pacerd.telemetry import inject_traceparent, redact
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
@@ -83,7 +83,10 @@ class TelemetryObserver:
         messages = [message_id(job.job_id, job.attempt) for job in jobs]
         with self.telemetry.publish_span(destination, messages=messages):
             inject_traceparent(headers)
-            yield headers
+            began = self.clock.monotonic()
+            yield headers  # the slice is published and its confirms awaited here
+            seconds = self.clock.monotonic() - began
+        self.telemetry.record_publish(destination, confirm_seconds=seconds)
 
     def mark_offered_span(self, destination: str, *, count: int) -> AbstractContextManager[Any]:
         if self.telemetry is None:
@@ -107,6 +110,16 @@ class TelemetryObserver:
                 refused=result.refused,
                 shadow=result.shadow,
             )
+            self.telemetry.record_admission_state(
+                result.destination,
+                paused=result.skipped == "paused",
+                paused_locally=result.skipped == "paused_local",
+                cooldown=result.skipped == "cooldown",
+            )
+            self.telemetry.record_publish(
+                result.destination, nacked=result.nacked, returned=result.returned,
+                timeouts=result.confirm_timeouts,
+            )  # fmt: skip
         log.debug(
             "tick_completed",
             destination=result.destination,
@@ -174,6 +187,7 @@ class Daemon:
         self._watchdog_every = min(1.0, watchdog_interval_seconds() or 1.0)
         self._next_watchdog = 0.0
         self._ok_applied = 0  # `ok` reports applied since the last batch was counted
+        self._ledger_error: str | None = None  # the last supervisor pass's, for /readyz
 
     # -- SignalTarget ----------------------------------------------------------
 
@@ -435,6 +449,8 @@ class Daemon:
                     admission, leads=leads, stop=self.stop_requested, on_pass=on_pass
                 )
                 tg.cancel_scope.cancel()
+        if self.telemetry is not None:
+            self.telemetry.forget_destination(destination)
         if not lost and not self.stop_requested.is_set() and not locks.has_lock(destination):
             log.warning("leadership_lost", destination=destination)
 
@@ -520,7 +536,12 @@ class Daemon:
                 await self._supervise_broker()
                 names = await self._supervise_destinations(tg)
                 await self._supervise_leadership(names)
+                if self.telemetry is not None:
+                    self.telemetry.record_leadership({d: self.locks.holds(d) for d in names})
+                self._ledger_error = None
             except PacerdError as exc:
+                if isinstance(exc, LedgerError):
+                    self._ledger_error = redact(str(exc))
                 log.warning("supervisor_pass_failed", error=str(exc))
             if not started:
                 task_status.started()
@@ -547,6 +568,8 @@ class Daemon:
                     oldest = row.oldest_scheduled_at
                     age = (self.clock.now() - oldest).total_seconds() if oldest else None
                     self.observer.due[row.destination] = (row.due, age)
+                    if self.telemetry is not None:
+                        self.telemetry.record_dead(row.destination, row.dead)
                 self.notifier.status(self._status_line())
             except PacerdError as exc:
                 log.warning("due_summary_failed", error=str(exc))
@@ -597,9 +620,7 @@ class Daemon:
         if self.telemetry is None:
             return
         if self._ok_applied:
-            self.telemetry.outcomes_applied.add(
-                self._ok_applied, {"outcome": "ok", "result": "applied"}
-            )
+            self.telemetry.count_outcomes("ok", "applied", self._ok_applied)
             self._ok_applied = 0
         if result.invalid:
             self.telemetry.outcomes_invalid.add(result.invalid, {"reason": "malformed"})
@@ -722,8 +743,13 @@ class Daemon:
         return self._watchdog_due(), {"instance": self.instance}
 
     def _readiness(self) -> tuple[bool, dict[str, Any]]:
-        ok = self.ready and self.broker.connected and self.ledger is not None
-        return ok, {"broker": self.broker.connected, "leading": sorted(self.locks.held)}
+        """Ledger and broker reachable (the supervisor pass reads the ledger every tick)."""
+        ledger = self.ledger is not None and self._ledger_error is None
+        ok = self.ready and self.broker.connected and ledger
+        data: dict[str, Any] = {"broker": self.broker.connected, "ledger": ledger}
+        if self._ledger_error is not None:
+            data["ledger_error"] = self._ledger_error
+        return ok, {**data, "leading": sorted(self.locks.held)}
 
 
 def main(cfg: Config, *, config_path: str | None, shadow: bool = False) -> int:
@@ -736,6 +762,7 @@ def main(cfg: Config, *, config_path: str | None, shadow: bool = False) -> int:
         cfg.telemetry.log_format,
         prometheus=bool(cfg.telemetry.http_address),
         set_global=True,
+        instance=instance_name(cfg),
     )
 
     async def run() -> int:

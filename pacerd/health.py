@@ -1,12 +1,19 @@
-"""The operations HTTP endpoint: ``GET /healthz`` and ``GET /metrics``.
+"""The operations HTTP endpoint: ``/livez``, ``/readyz``, ``/healthz``, ``/metrics``.
 
 Owns a tiny HTTP/1.1 server (anyio streams, no framework) bound to
 ``[telemetry] http_address`` and the ``TickProgress`` liveness check:
 
-    GET /healthz   200 {"status": "ok", "checks": {...}} when liveness and readiness
-                   both pass; 503 {"status": "unavailable", "checks": {...}} otherwise
+    GET /livez     liveness only: 200 while the tick loop makes progress, 503 when it
+                   is stuck (restart the process). A lost broker or ledger does not
+                   fail it: the daemon reconnects by itself.
+    GET /readyz    readiness only: 200 while the ledger and the broker are reachable,
+                   503 otherwise (the instance cannot admit; do not restart it)
+    GET /healthz   both: 200 {"status": "ok", "checks": {...}} when liveness and
+                   readiness pass; 503 {"status": "unavailable", "checks": {...}}
     GET /metrics   Prometheus text exposition of a prometheus_client registry, which
                    the OpenTelemetry Prometheus reader feeds (telemetry.py)
+
+Each health answer has the same JSON shape, with the checks it ran.
 
 One request per connection (``Connection: close``), GET and HEAD only, small
 bounded requests with a read timeout. It must not compute health itself: the
@@ -102,8 +109,8 @@ def _run_check(check: HealthCheck) -> CheckResult:
     return CheckResult(ok=bool(result))
 
 
-def _health_body(liveness: HealthCheck, readiness: HealthCheck) -> tuple[int, bytes]:
-    checks = {"liveness": _run_check(liveness), "readiness": _run_check(readiness)}
+def _health_body(named: Mapping[str, HealthCheck]) -> tuple[int, bytes]:
+    checks = {name: _run_check(check) for name, check in named.items()}
     healthy = all(c.ok for c in checks.values())
     body = {
         "status": "ok" if healthy else "unavailable",
@@ -149,13 +156,18 @@ async def _respond(
     if method not in ("GET", "HEAD"):
         return _error(405, "only GET and HEAD")
     path = target.split("?", 1)[0]
-    if path == "/healthz":
-        status, body = _health_body(liveness, readiness)
+    checks: dict[str, Mapping[str, HealthCheck]] = {
+        "/livez": {"liveness": liveness},
+        "/readyz": {"readiness": readiness},
+        "/healthz": {"liveness": liveness, "readiness": readiness},
+    }
+    if path in checks:
+        status, body = _health_body(checks[path])
         return _response(status, body, "application/json", head=method == "HEAD")
     if path == "/metrics":
         body = await anyio.to_thread.run_sync(generate_latest, registry)
         return _response(200, body, CONTENT_TYPE_LATEST, head=method == "HEAD")
-    return _error(404, f"no such path {path!r}; try /healthz or /metrics")
+    return _error(404, f"no such path {path!r}; try /livez, /readyz, /healthz or /metrics")
 
 
 async def _handle(
@@ -185,7 +197,8 @@ async def serve_health(
     registry: CollectorRegistry | None = None,
     task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``/healthz`` and ``/metrics`` on ``address`` until cancelled.
+    """Serve ``/livez``, ``/readyz``, ``/healthz`` and ``/metrics`` on ``address``
+    until cancelled.
 
     ``task_status.started(port)`` reports the bound port (useful with port 0).
     ``registry`` defaults to prometheus_client's global ``REGISTRY``.

@@ -20,9 +20,27 @@ underscores, counters end in ``_total`` and units are appended: ``pacerd_rate_pe
     pacerd.oldest_due_age_seconds  gauge      s         destination
     pacerd.drain_eta_seconds       gauge      s         destination (not set when unknown)
     pacerd.leases_reclaimed        counter    {lease}   lease (claim|offer), result
-    pacerd.outcomes.applied        counter    {report}  outcome, result (applied|stale|unknown)
+    pacerd.outcomes                counter    {report}  outcome, result (applied|stale|unknown)
+    pacerd.outcomes.applied        counter    {report}  outcome, result (kept for old
+                                                        dashboards: it counts every result)
     pacerd.outcomes.invalid        counter    {message} reason
     pacerd.tick.duration_seconds   histogram  s         destination
+    pacerd.dead                    gauge      {job}     destination (jobs in state dead)
+    pacerd.leader                  gauge      1         destination (1: this instance leads it)
+    pacerd.paused                  gauge      1         destination, scope (ledger|local)
+    pacerd.cooldown                gauge      1         destination (1: in a Retry-After cool-down)
+    pacerd.publish.confirm_duration_seconds
+                                   histogram  s         destination (a release slice's
+                                                        publish until its last confirm)
+    pacerd.publish.failures        counter    {message} destination, reason
+                                                        (nacked|returned|timeout)
+    pacerd.build_info              gauge      1         version, python_version, instance_name
+
+Gauges are observable: each collection reads the latest value recorded here,
+whatever the exporter's temporality, and a destination this instance stops
+leading is dropped (``forget_destination``) instead of repeating its last value.
+The resource carries ``service.instance.id`` (the instance name, unless
+``OTEL_RESOURCE_ATTRIBUTES`` sets one), and every log line an ``instance`` key.
 
 Spans (span attributes are namespaced ``pacerd.*`` or semantic conventions):
 
@@ -53,16 +71,18 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import re
 import sys
 import threading
-from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, TextIO
 
 import anyio.to_thread
 import structlog
 from opentelemetry import propagate, trace
+from opentelemetry.metrics import CallbackOptions, ObservableGauge, Observation
 from opentelemetry.propagators.textmap import Getter
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import (
@@ -84,11 +104,15 @@ if TYPE_CHECKING:
     from structlog.typing import EventDict, Processor, WrappedLogger
 
 __all__ = [
-    "METRIC_ADMITTED", "METRIC_DRAIN_ETA", "METRIC_DUE", "METRIC_INFLIGHT",
-    "METRIC_LEASES_RECLAIMED", "METRIC_OLDEST_DUE_AGE", "METRIC_OUTCOMES_APPLIED",
-    "METRIC_OUTCOMES_INVALID", "METRIC_RATE", "METRIC_REFUSALS", "METRIC_TICK_DURATION",
+    "METRICS", "METRIC_ADMITTED", "METRIC_BUILD_INFO", "METRIC_COOLDOWN", "METRIC_DEAD",
+    "METRIC_DRAIN_ETA", "METRIC_DUE", "METRIC_INFLIGHT", "METRIC_LEADER",
+    "METRIC_LEASES_RECLAIMED", "METRIC_OLDEST_DUE_AGE", "METRIC_OUTCOMES",
+    "METRIC_OUTCOMES_APPLIED", "METRIC_OUTCOMES_INVALID", "METRIC_PAUSED",
+    "METRIC_PUBLISH_CONFIRM", "METRIC_PUBLISH_FAILURES", "METRIC_RATE", "METRIC_REFUSALS",
+    "METRIC_TICK_DURATION",
     "SPAN_CLAIM", "SPAN_MARK_OFFERED", "SPAN_OUTCOME", "SPAN_PUBLISH", "SPAN_RECONCILE",
-    "SPAN_TICK", "Telemetry", "configure_logging", "extract_context", "inject_traceparent",
+    "SPAN_TICK", "LatestValues", "Telemetry", "bind_log_context", "configure_logging",
+    "extract_context", "inject_traceparent",
     "redact", "set_log_level", "setup_telemetry",
 ]  # fmt: skip
 
@@ -103,6 +127,21 @@ METRIC_LEASES_RECLAIMED = "pacerd.leases_reclaimed"
 METRIC_OUTCOMES_APPLIED = "pacerd.outcomes.applied"
 METRIC_OUTCOMES_INVALID = "pacerd.outcomes.invalid"
 METRIC_TICK_DURATION = "pacerd.tick.duration_seconds"
+METRIC_OUTCOMES = "pacerd.outcomes"
+METRIC_DEAD = "pacerd.dead"
+METRIC_LEADER = "pacerd.leader"
+METRIC_PAUSED = "pacerd.paused"
+METRIC_COOLDOWN = "pacerd.cooldown"
+METRIC_PUBLISH_CONFIRM = "pacerd.publish.confirm_duration_seconds"
+METRIC_PUBLISH_FAILURES = "pacerd.publish.failures"
+METRIC_BUILD_INFO = "pacerd.build_info"
+METRICS = (
+    METRIC_RATE, METRIC_ADMITTED, METRIC_REFUSALS, METRIC_INFLIGHT, METRIC_DUE,
+    METRIC_OLDEST_DUE_AGE, METRIC_DRAIN_ETA, METRIC_LEASES_RECLAIMED, METRIC_OUTCOMES,
+    METRIC_OUTCOMES_APPLIED, METRIC_OUTCOMES_INVALID, METRIC_TICK_DURATION, METRIC_DEAD,
+    METRIC_LEADER, METRIC_PAUSED, METRIC_COOLDOWN, METRIC_PUBLISH_CONFIRM,
+    METRIC_PUBLISH_FAILURES, METRIC_BUILD_INFO,
+)  # fmt: skip
 
 SPAN_TICK = "pacerd.tick"
 SPAN_CLAIM = "pacerd.claim"
@@ -114,6 +153,7 @@ SPAN_OUTCOME = "pacerd.outcome"
 READY_EXCHANGE = "pacerd.ready"
 OUTCOMES_QUEUE = "pacerd.outcomes"
 _TICK_BUCKETS_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_CONFIRM_BUCKETS_SECONDS = (*_TICK_BUCKETS_SECONDS, 10.0, 30.0)
 
 _log = structlog.get_logger(__name__)
 
@@ -154,6 +194,22 @@ def _redact_processor(_logger: WrappedLogger, _method: str, event_dict: EventDic
 
 
 # -- logging ---------------------------------------------------------------------------
+
+
+_LOG_CONTEXT: dict[str, str] = {}
+
+
+def bind_log_context(**values: str) -> None:
+    """The keys every log line of the process carries from now on (``instance``),
+    also lines logged from other threads and by other libraries; replaces the last."""
+    _LOG_CONTEXT.clear()
+    _LOG_CONTEXT.update(values)
+
+
+def _add_log_context(_logger: WrappedLogger, _method: str, event_dict: EventDict) -> EventDict:
+    for key, value in _LOG_CONTEXT.items():
+        event_dict.setdefault(key, value)
+    return event_dict
 
 
 def _add_trace_context(_logger: WrappedLogger, _method: str, event_dict: EventDict) -> EventDict:
@@ -203,6 +259,7 @@ def configure_logging(
     use_json = log_format == "json" or (log_format == "auto" and not tty)
     shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
+        _add_log_context,
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
         _add_trace_context,
@@ -294,6 +351,17 @@ def _env_list(name: str, default: str) -> list[str]:
     return [p for part in raw.split(",") if (p := part.strip().lower()) and p != "none"]
 
 
+def _default_exporter(signal: str) -> str:
+    """``otlp`` when an OTLP endpoint is configured for ``signal`` (TRACES or
+    METRICS), else ``none``: the SDK exports nothing unless asked, and an OTLP
+    exporter with no collector would retry against localhost:4318 and log the
+    failures every few seconds. ``OTEL_*_EXPORTER=otlp`` still selects it."""
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT"):
+        if os.environ.get(name, "").strip():
+            return "otlp"
+    return "none"
+
+
 def _otlp_protocol(signal: str) -> str:
     return (
         os.environ.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL", "").strip()
@@ -327,7 +395,7 @@ def _plugin_name(kind: str, signal: str) -> str:
 
 def _span_exporters_from_env() -> list[SpanExporter]:
     exporters: list[SpanExporter] = []
-    for kind in _env_list("OTEL_TRACES_EXPORTER", "otlp"):
+    for kind in _env_list("OTEL_TRACES_EXPORTER", _default_exporter("TRACES")):
         factory = _load_plugin("opentelemetry_traces_exporter", _plugin_name(kind, "TRACES"))
         made = factory() if callable(factory) else None
         if isinstance(made, SpanExporter):
@@ -339,7 +407,7 @@ def _metric_readers_from_env(
     registry: CollectorRegistry | None, exporters: list[MetricExporter]
 ) -> list[MetricReader]:
     readers: list[MetricReader] = []
-    for kind in _env_list("OTEL_METRICS_EXPORTER", "otlp"):
+    for kind in _env_list("OTEL_METRICS_EXPORTER", _default_exporter("METRICS")):
         if kind == "prometheus":  # served by health.py, not by a server of its own
             readers.append(_prometheus_reader(registry))
             continue
@@ -361,12 +429,16 @@ def _prometheus_reader(registry: CollectorRegistry | None) -> MetricReader:
     return reader
 
 
-def _resource(service_name: str) -> Resource:
-    """``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES`` win over the config's name."""
+def _resource(service_name: str, instance: str | None = None) -> Resource:
+    """``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES`` win over the config's
+    name and the instance name (``service.instance.id``, which keeps two
+    instances' series apart once a collector merges them)."""
     detected = OTELResourceDetector().detect()
     ours: dict[str, AttributeValue] = {"service.version": __version__}
     if "service.name" not in detected.attributes:
         ours["service.name"] = service_name
+    if instance and "service.instance.id" not in detected.attributes:
+        ours["service.instance.id"] = instance
     return Resource.create(ours)
 
 
@@ -381,6 +453,39 @@ def _attributes(values: _Attributes) -> dict[str, AttributeValue]:
     return {k: redact(v) if isinstance(v, str) else v for k, v in values.items() if v is not None}
 
 
+_SeriesKey = tuple[tuple[str, str], ...]
+
+
+class LatestValues:
+    """The last value of every gauge series, read by the observable gauges at
+    each collection (from the exporter's or the scrape's thread, hence the lock)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._series: dict[str, dict[_SeriesKey, float]] = {}
+
+    def set(self, name: str, value: float, attributes: Mapping[str, str]) -> None:
+        key = tuple(sorted(attributes.items()))
+        with self._lock:
+            self._series.setdefault(name, {})[key] = value
+
+    def forget(self, destination: str, *, keep: Sequence[str] = ()) -> None:
+        """Drops every series of ``destination`` but those of the ``keep`` gauges."""
+        with self._lock:
+            for name, series in self._series.items():
+                if name not in keep:
+                    for key in [k for k in series if ("destination", destination) in k]:
+                        del series[key]
+
+    def observer(self, name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def observe(_options: CallbackOptions) -> Iterable[Observation]:
+            with self._lock:
+                series = list(self._series.get(name, {}).items())
+            return [Observation(value, dict(key)) for key, value in series]
+
+        return observe
+
+
 class Telemetry:
     """The tracer, the meter and pacerd's instruments; built once by the daemon."""
 
@@ -392,8 +497,10 @@ class Telemetry:
         span_exporters: Sequence[SpanExporter] = (),
         metric_exporters: Sequence[MetricExporter] = (),
         metric_readers: Sequence[MetricReader] = (),
+        instance: str = "",
     ) -> None:
-        """``span_exporters``/``metric_exporters`` are aborted if shutdown runs late."""
+        """``span_exporters``/``metric_exporters`` are aborted if shutdown runs late;
+        ``instance`` names this process in ``pacerd.build_info``."""
         self.tracer_provider = tracer_provider
         self.meter_provider = meter_provider
         self.span_exporters = tuple(span_exporters)
@@ -402,13 +509,37 @@ class Telemetry:
         self._closed = False
         self.tracer = tracer_provider.get_tracer("pacerd", __version__)
         self.meter = meter = meter_provider.get_meter("pacerd", __version__)
-        self.rate = meter.create_gauge(METRIC_RATE, "{job}/s", "Admission rate per destination")
+        self.latest = latest = LatestValues()
+
+        def gauge(name: str, unit: str, description: str) -> ObservableGauge:
+            return meter.create_observable_gauge(name, [latest.observer(name)], unit, description)
+
+        self.rate = gauge(METRIC_RATE, "{job}/s", "Admission rate per destination")
         self.admitted = meter.create_counter(METRIC_ADMITTED, "{job}", "Jobs admitted")
         self.refusals = meter.create_counter(METRIC_REFUSALS, "{job}", "Upstream refusals")
-        self.inflight = meter.create_gauge(METRIC_INFLIGHT, "{job}", "Jobs offered, no outcome")
-        self.due = meter.create_gauge(METRIC_DUE, "{job}", "Jobs due and waiting")
-        self.oldest_due_age = meter.create_gauge(METRIC_OLDEST_DUE_AGE, "s", "Oldest due age")
-        self.drain_eta = meter.create_gauge(METRIC_DRAIN_ETA, "s", "Time to drain the due work")
+        self.inflight = gauge(METRIC_INFLIGHT, "{job}", "Jobs offered, no outcome")
+        self.due = gauge(METRIC_DUE, "{job}", "Jobs due and waiting")
+        self.oldest_due_age = gauge(METRIC_OLDEST_DUE_AGE, "s", "Oldest due age")
+        self.drain_eta = gauge(METRIC_DRAIN_ETA, "s", "Time to drain the due work")
+        self.dead = gauge(METRIC_DEAD, "{job}", "Jobs in state dead")
+        self.leader = gauge(METRIC_LEADER, "", "1 when this instance leads the destination")
+        self.paused = gauge(METRIC_PAUSED, "", "1 when admission is paused (ledger or local)")
+        self.cooldown = gauge(METRIC_COOLDOWN, "", "1 during a Retry-After cool-down")
+        self.build_info = gauge(METRIC_BUILD_INFO, "", "Always 1; the labels say what runs")
+        latest.set(METRIC_BUILD_INFO, 1, {
+            "version": __version__, "python_version": platform.python_version(),
+            "instance_name": instance,
+        })  # fmt: skip
+        self.outcomes = meter.create_counter(
+            METRIC_OUTCOMES, "{report}", "Outcome reports handled, by result"
+        )
+        self.publish_confirm = meter.create_histogram(
+            METRIC_PUBLISH_CONFIRM, "s", "From a release slice's publish to its last confirm",
+            explicit_bucket_boundaries_advisory=_CONFIRM_BUCKETS_SECONDS,
+        )  # fmt: skip
+        self.publish_failures = meter.create_counter(
+            METRIC_PUBLISH_FAILURES, "{message}", "Publishes nacked, returned or timed out"
+        )
         self.leases_reclaimed = meter.create_counter(
             METRIC_LEASES_RECLAIMED, "{lease}", "Expired claims and offers returned"
         )
@@ -552,12 +683,13 @@ class Telemetry:
         ``admitted`` is what the tick would have admitted.
         """
         where = {"destination": destination}
-        self.rate.set(rate, where)
-        self.inflight.set(inflight, where)
-        self.due.set(due, where)
-        self.oldest_due_age.set(oldest_due_age_seconds or 0.0, where)
+        latest = self.latest
+        latest.set(METRIC_RATE, rate, where)
+        latest.set(METRIC_INFLIGHT, inflight, where)
+        latest.set(METRIC_DUE, due, where)
+        latest.set(METRIC_OLDEST_DUE_AGE, oldest_due_age_seconds or 0.0, where)
         if drain_eta_seconds is not None:
-            self.drain_eta.set(drain_eta_seconds, where)
+            latest.set(METRIC_DRAIN_ETA, drain_eta_seconds, where)
         if admitted:
             mode = "shadow" if shadow else "active"
             self.admitted.add(admitted, {"destination": destination, "mode": mode})
@@ -600,9 +732,50 @@ class Telemetry:
 
     def record_outcome(self, outcome: str, result: str, *, span: Span | None = None) -> None:
         """A report handled: ``outcome`` (ok|refused|…), ``result`` (applied|stale|unknown)."""
-        self.outcomes_applied.add(1, {"outcome": outcome, "result": result})
+        self.count_outcomes(outcome, result, 1)
         target = span if span is not None else trace.get_current_span()
         target.set_attributes({"pacerd.outcome": outcome, "pacerd.result": result})
+
+    def count_outcomes(self, outcome: str, result: str, count: int) -> None:
+        """``count`` reports of one outcome and result (a batch, without spans)."""
+        attributes = {"outcome": outcome, "result": result}
+        self.outcomes.add(count, attributes)
+        self.outcomes_applied.add(count, attributes)
+
+    def record_dead(self, destination: str, dead: int) -> None:
+        """Jobs of ``destination`` in state ``dead`` (the ledger's count)."""
+        self.latest.set(METRIC_DEAD, dead, {"destination": destination})
+
+    def record_leadership(self, leading: Mapping[str, bool]) -> None:
+        """For every destination this instance knows: does it lead it."""
+        for destination, leads in leading.items():
+            self.latest.set(METRIC_LEADER, int(leads), {"destination": destination})
+
+    def record_admission_state(
+        self, destination: str, *, paused: bool, paused_locally: bool, cooldown: bool
+    ) -> None:
+        """Why the last tick admitted nothing, if it was paused or cooling down."""
+        latest, where = self.latest, {"destination": destination}
+        latest.set(METRIC_PAUSED, int(paused), {**where, "scope": "ledger"})
+        latest.set(METRIC_PAUSED, int(paused_locally), {**where, "scope": "local"})
+        latest.set(METRIC_COOLDOWN, int(cooldown), where)
+
+    def record_publish(
+        self, destination: str, *, confirm_seconds: float | None = None,
+        nacked: int = 0, returned: int = 0, timeouts: int = 0,
+    ) -> None:  # fmt: skip
+        """A release slice's time to its last confirm, and the publishes that failed."""
+        where = {"destination": destination}
+        if confirm_seconds is not None:
+            self.publish_confirm.record(confirm_seconds, where)
+        for reason, count in (("nacked", nacked), ("returned", returned), ("timeout", timeouts)):
+            if count:
+                self.publish_failures.add(count, {**where, "reason": reason})
+
+    def forget_destination(self, destination: str) -> None:
+        """This instance no longer leads ``destination``: its per-tick gauges
+        stop (the ledger's counts and the leader gauge stay)."""
+        self.latest.forget(destination, keep=(METRIC_DEAD, METRIC_LEADER))
 
     def record_invalid_outcome(self, reason: str) -> None:
         """A malformed outcome message was parked in ``pacerd.outcomes.invalid``."""
@@ -663,20 +836,25 @@ def setup_telemetry(
     span_exporter: SpanExporter | None = None,
     log_stream: TextIO | None = None,
     set_global: bool = False,
+    instance: str | None = None,
 ) -> Telemetry:
     """Configure logging, traces and metrics; return the ``Telemetry`` to hand around.
 
     Exporters follow ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER``
-    (``otlp`` by default, over HTTP; ``console``; ``none``; ``prometheus`` for
-    metrics), the sampler ``OTEL_TRACES_SAMPLER``, endpoints and the rest of
-    ``OTEL_*`` are read by the SDK itself. ``span_exporter`` (exported at once,
+    (``otlp`` over HTTP, ``console``, ``none``, ``prometheus`` for metrics);
+    unset, a signal goes over OTLP only when ``OTEL_EXPORTER_OTLP_ENDPOINT`` or
+    the signal's own endpoint variable is set, and nowhere otherwise. The
+    sampler ``OTEL_TRACES_SAMPLER``, endpoints and the rest of ``OTEL_*`` are
+    read by the SDK itself. ``span_exporter`` (exported at once,
     for tests) or ``metric_readers`` replace the environment's choice.
     ``prometheus`` adds a reader feeding ``prometheus_registry`` (default: the
     global registry that ``/metrics`` serves). ``set_global`` also installs the
-    providers as OpenTelemetry's globals (once per process).
+    providers as OpenTelemetry's globals (once per process). ``instance`` (the
+    instance name) goes on every log line, the resource and ``pacerd.build_info``.
     """
+    bind_log_context(**({"instance": instance} if instance else {}))
     configure_logging(log_level, log_format, stream=log_stream)
-    resource = _resource(service_name)
+    resource = _resource(service_name, instance)
     tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
     span_exporters = [span_exporter] if span_exporter is not None else _span_exporters_from_env()
     for exporter in span_exporters:
@@ -706,5 +884,5 @@ def setup_telemetry(
     )
     return Telemetry(
         tracer_provider, meter_provider, span_exporters=span_exporters,
-        metric_exporters=metric_exporters, metric_readers=readers,
+        metric_exporters=metric_exporters, metric_readers=readers, instance=instance or "",
     )  # fmt: skip

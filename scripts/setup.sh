@@ -9,3 +9,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[$extras]"
+# promtool (Debian's prometheus package) checks deploy/alerts.yml in tests/unit/test_deploy.py;
+# without it those tests are skipped.
+if ! command -v promtool >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >/dev/null \
+    || echo "setup: promtool not installed; the alert rule tests will be skipped" >&2
+fi

@@ -1,22 +1,46 @@
-"""The deployment files: systemd unit, Dockerfile, compose stack, collector config.
+"""The deployment files: systemd unit, Dockerfile, compose stack, collector,
+Prometheus and Grafana configs.
 
 No Docker engine runs here, so the container files are checked by reading them:
-the hadolint-style essentials of the Dockerfile, and the compose file's services,
-dependencies and health checks (fully parsed when PyYAML is importable; an
-indentation-based reading of each service block otherwise). The systemd unit is
+the hadolint-style essentials of the Dockerfile; and for the compose stack, that
+every command parses with its program's own parser (the ``--app`` and ``-m``
+modules import), every environment variable is one its program reads (a valid
+config override, an ``OTEL_*`` variable of the SDK for a program that sets up
+telemetry, or a name in the program's source), every host:port named in an
+environment value or a Prometheus, collector or Grafana config is a service
+listening there, and every bind-mounted file exists. The systemd unit is
 checked with ``systemd-analyze`` when it is installed.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+import io
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass
+from importlib.metadata import entry_points, packages_distributions
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import opentelemetry.environment_variables as otel_env_api
+import opentelemetry.sdk.environment_variables as otel_env_sdk
 import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from pacerd import cli, config, daemon, worker
+from pacerd.telemetry import METRICS, setup_telemetry
+from pacerd.testing import demo_app
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
 
 ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "systemd" / "pacerd.service"
@@ -152,7 +176,8 @@ def test_dockerfile_entrypoint_signal_and_healthcheck() -> None:
     command = json.loads(health.split(" CMD ", 1)[1])
     assert command[:2] == ["python", "-c"]
     assert "urllib.request" in command[2]
-    url = re.search(r"http://127\.0\.0\.1:(\d+)/healthz", command[2])
+    # liveness only: a broker outage must not get a reconnecting daemon restarted
+    url = re.search(r"http://127\.0\.0\.1:(\d+)/livez'", command[2])
     assert url, command
     env = " ".join(rest for word, rest in stage if word == "ENV")
     assert f"PACERD_TELEMETRY__HTTP_ADDRESS=0.0.0.0:{url.group(1)}" in env
@@ -174,71 +199,481 @@ def test_dockerfile_copies_only_what_the_context_sends() -> None:
                 assert (ROOT / name).exists(), name
 
 
-# -- compose -------------------------------------------------------------------------
+# -- compose: every name in the stack is one the code it is given to reads ------------
 
 COMPOSE = ROOT / "compose.yaml"
-SERVICES = {"postgres", "rabbitmq", "jaeger", "otel-collector", "migrate", "pacerd", "worker",
-            "upstream"}  # fmt: skip
+DEPLOY = ROOT / "deploy"
+SERVICES = {"postgres", "rabbitmq", "jaeger", "otel-collector", "prometheus", "grafana",
+            "migrate", "pacerd", "worker", "upstream", "producer"}  # fmt: skip
+PACERD_IMAGE = "pacerd:local"
+# What the third-party images listen on and read, from their documentation.
+IMAGE_PORTS = {
+    "postgres": {5432}, "rabbitmq": {5672, 15672}, "jaegertracing/all-in-one": {4317, 4318, 16686},
+    "prom/prometheus": {9090}, "grafana/grafana": {3000},
+}  # fmt: skip
+IMAGE_ENV_PREFIXES = {
+    "postgres": ("POSTGRES_",), "rabbitmq": ("RABBITMQ_DEFAULT_",),
+    "jaegertracing/all-in-one": ("COLLECTOR_OTLP_ENABLED",), "grafana/grafana": ("GF_",),
+}  # fmt: skip
+URL = re.compile(r"\b[a-z][a-z0-9+]*://(?:[^/@\s]*@)?([A-Za-z0-9_.-]+):(\d+)")
 
 
-def service_blocks() -> dict[str, str]:
-    """Each top-level service's text, read by indentation (no YAML parser needed)."""
-    blocks: dict[str, list[str]] = {}
-    current: str | None = None
-    inside = False
-    for line in COMPOSE.read_text().splitlines():
-        if re.match(r"^\S", line):
-            inside = line.startswith("services:")
-            current = None
-            continue
-        name = re.match(r"^  ([A-Za-z0-9][\w.-]*):\s*$", line)
-        if inside and name:
-            current = name.group(1)
-            blocks[current] = []
-        elif inside and current:
-            blocks[current].append(line)
-    return {name: "\n".join(lines) for name, lines in blocks.items()}
+def load_yaml(path: Path) -> Any:
+    return yaml.safe_load(path.read_text())
 
 
-def test_compose_services_by_reading() -> None:
-    blocks = service_blocks()
-    assert set(blocks) == SERVICES
-    assert "service_completed_successfully" in blocks["pacerd"].split("migrate:", 1)[1]
-    assert re.search(r"stop_grace_period: (\d+)s", blocks["pacerd"])
-    for name in ("migrate", "worker", "upstream"):  # the image's HEALTHCHECK is pacerd's own
-        assert re.search(r"healthcheck:\s*\n\s+disable: true", blocks[name]), name
-    assert '"migrate"' in blocks["migrate"]
-    assert "pacerd.demo.app:app" in blocks["worker"]
-    assert "pacerd.testing.upstream" in blocks["upstream"]
-    assert "./deploy/otel-collector.yaml:" in blocks["otel-collector"]
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    document: dict[str, Any] = load_yaml(COMPOSE)
+    return document
 
 
-def test_compose_parsed() -> None:
+def services_of(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    services: dict[str, dict[str, Any]] = compose["services"]
+    return services
+
+
+def image_env() -> dict[str, str]:
+    """The ENV of the image's final stage (KEY=value pairs)."""
+    pairs = " ".join(rest for word, rest in final_stage() if word == "ENV").split()
+    return dict(pair.split("=", 1) for pair in pairs)
+
+
+def port_of(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+@dataclass(frozen=True)
+class Program:
+    """The code a service of the pacerd image runs, and what of the environment it reads."""
+
+    sources: tuple[str, ...]
+    reads_config: bool
+    reads_otel: bool
+    listens: frozenset[int]
+
+
+def program_of(service: dict[str, Any], env: dict[str, str]) -> Program:
+    """Parses the service's command with the program's own argument parser."""
+    entrypoint = service.get("entrypoint") or exec_form(final_stage(), "ENTRYPOINT")
+    command = [str(part) for part in service.get("command") or exec_form(final_stage(), "CMD")]
+    if entrypoint == ["pacerd"]:
+        args = cli.build_parser().parse_args(command)
+        verb_code: dict[str, Callable[..., Any]] = {
+            "run": daemon.main, "worker": worker.main, "migrate": cli._migrate,
+        }  # fmt: skip
+        assert args.verb in verb_code, f"no check for `pacerd {args.verb}` yet"
+        sources = [inspect.getsource(verb_code[args.verb]), inspect.getsource(cli._dispatch)]
+        if args.verb == "worker":
+            # The app module reads its environment on import: import it afresh with ours.
+            os.environ.update({k: v for k, v in env.items() if not k.startswith("PACERD_")})
+            app_module = importlib.reload(importlib.import_module(args.app.split(":")[0]))
+            app = worker.load_app(args.app)  # the module and attribute exist
+            assert app.destinations, f"{args.app} consumes no destination"
+            sources.append(inspect.getsource(app_module))
+        listens: set[int] = set()
+        if args.verb == "run":
+            image_defaults = {k: v for k, v in image_env().items() if k != "PACERD_CONFIG"}
+            cfg = config.load_config(None, {**image_defaults, **env})
+            if cfg.telemetry.http_address:
+                listens.add(port_of(cfg.telemetry.http_address))
+        return Program(tuple(sources), True, "setup_telemetry" in sources[0], frozenset(listens))
+    assert entrypoint[:2] == ["python", "-m"], entrypoint
+    module = importlib.import_module(entrypoint[2])
+    args = module.build_parser().parse_args(command)
+    if hasattr(module, "params_from_args"):
+        module.params_from_args(args)  # the values are valid, not only the flags
+    source = inspect.getsource(module)
+    port = getattr(args, "port", None)
+    return Program(
+        (source,), "load_config" in source, "setup_telemetry" in source,
+        frozenset({port} if port else set()),
+    )  # fmt: skip
+
+
+def pacerd_image_programs(compose: dict[str, Any]) -> dict[str, tuple[Program, dict[str, str]]]:
+    out = {}
+    for name, service in services_of(compose).items():
+        if service.get("image") == PACERD_IMAGE:
+            env = {k: str(v) for k, v in (service.get("environment") or {}).items()}
+            try:
+                out[name] = (program_of(service, env), env)
+            except SystemExit as exc:  # argparse: the usage message went to stderr
+                raise AssertionError(f"service {name}: its command does not parse") from exc
+            except ImportError as exc:
+                raise AssertionError(f"service {name}: {exc}") from exc
+    return out
+
+
+@pytest.fixture(scope="module")
+def programs(compose: dict[str, Any]) -> Iterator[dict[str, tuple[Program, dict[str, str]]]]:
+    saved = dict(os.environ)
     try:
-        yaml = importlib.import_module("yaml")
-    except ImportError:
-        pytest.skip("PyYAML is not installed; test_compose_services_by_reading covers the text")
-    document = yaml.safe_load(COMPOSE.read_text())
-    services = document["services"]
+        yield pacerd_image_programs(compose)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def listening_ports(
+    compose: dict[str, Any], programs: dict[str, tuple[Program, dict[str, str]]]
+) -> dict[str, set[int]]:
+    ports: dict[str, set[int]] = {}
+    for name, service in services_of(compose).items():
+        image = str(service["image"])
+        if name in programs:
+            ports[name] = set(programs[name][0].listens)
+        elif name == "otel-collector":
+            collector = load_yaml(DEPLOY / "otel-collector.yaml")
+            endpoints = [
+                p["endpoint"] for p in collector["receivers"]["otlp"]["protocols"].values()
+            ]
+            endpoints.append(collector["exporters"]["prometheus"]["endpoint"])
+            ports[name] = {port_of(e) for e in endpoints}
+        else:
+            [known] = [p for prefix, p in IMAGE_PORTS.items() if image.startswith(prefix + ":")]
+            ports[name] = set(known)
+    return ports
+
+
+def test_compose_services_and_images(compose: dict[str, Any]) -> None:
+    services = services_of(compose)
     assert set(services) == SERVICES
-    pacerd = services["pacerd"]
-    assert pacerd["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
-    assert pacerd["depends_on"]["rabbitmq"]["condition"] == "service_healthy"
-    assert int(str(pacerd["stop_grace_period"]).rstrip("s")) > DRAIN_GRACE_SECONDS
-    assert pacerd["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4318"
-    assert pacerd["command"] == ["run", "-c", "/etc/pacerd/pacerd.toml"]
-    assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
-    assert services["rabbitmq"]["environment"]["RABBITMQ_DEFAULT_USER"] != "guest"
-    for name in ("migrate", "pacerd", "worker", "upstream"):
-        assert services[name]["image"] == "pacerd:local"
-        assert services[name]["build"]["context"] == "."
     for name, service in services.items():
+        image = str(service["image"])
+        repository, _, tag = image.rpartition(":")
+        assert repository, (name, image)
+        assert tag not in ("", "latest"), (name, image)
+        if image == PACERD_IMAGE:
+            assert service["build"]["context"] == "."
         for dependency in service.get("depends_on", {}):
             assert dependency in services, (name, dependency)
 
 
-def test_collector_sends_traces_to_jaeger() -> None:
-    text = (ROOT / "deploy" / "otel-collector.yaml").read_text()
-    assert re.search(r"endpoint: 0\.0\.0\.0:4318", text)
-    assert re.search(r"otlp/jaeger:\s*\n\s+endpoint: jaeger:4317", text)
-    assert re.search(r"traces:\s*\n(\s+\w+: .*\n)*\s+exporters: \[otlp/jaeger\]", text)
+def test_compose_commands_run_real_programs(
+    programs: dict[str, tuple[Program, dict[str, str]]],
+) -> None:
+    """`--app`, `python -m` modules and every flag parse with the program's own parser."""
+    assert set(programs) == {"migrate", "pacerd", "worker", "upstream", "producer"}
+    assert programs["pacerd"][0].listens
+
+
+def test_compose_environment_is_read_by_its_program(
+    compose: dict[str, Any], programs: dict[str, tuple[Program, dict[str, str]]]
+) -> None:
+    otel_names = {
+        value for module in (otel_env_sdk, otel_env_api) for key, value in vars(module).items()
+        if key.startswith("OTEL_") and isinstance(value, str)
+    }  # fmt: skip
+    for name, (program, env) in programs.items():
+        pacerd_env = {k: v for k, v in env.items() if k.startswith("PACERD_")}
+        if pacerd_env:
+            assert program.reads_config, (name, sorted(pacerd_env))
+            config.load_config(None, pacerd_env)  # ConfigError names an unknown key
+        for key in env:
+            if key.startswith("PACERD_"):
+                continue
+            if key.startswith("OTEL_"):
+                assert program.reads_otel, (name, key)
+                assert key in otel_names, (name, key)
+                continue
+            assert any(f'"{key}"' in source for source in program.sources), (name, key)
+    config.load_config(None, {k: v for k, v in image_env().items() if k != "PACERD_CONFIG"})
+    for name, service in services_of(compose).items():
+        if name in programs or name == "otel-collector" or name == "prometheus":
+            assert name in programs or not service.get("environment"), name
+            continue
+        prefixes = [p for image, p in IMAGE_ENV_PREFIXES.items()
+                    if str(service["image"]).startswith(image + ":")]  # fmt: skip
+        for key in service.get("environment") or {}:
+            assert prefixes, (name, key)
+            assert key.startswith(prefixes[0]), (name, key)
+
+
+def test_compose_otel_values_select_installed_exporters(
+    programs: dict[str, tuple[Program, dict[str, str]]],
+) -> None:
+    groups = {"OTEL_TRACES_EXPORTER": "opentelemetry_traces_exporter",
+              "OTEL_METRICS_EXPORTER": "opentelemetry_metrics_exporter"}  # fmt: skip
+    for name, (_program, env) in programs.items():
+        for key, group in groups.items():
+            for kind in filter(None, env.get(key, "").split(",")):
+                plugin = {"otlp": "otlp_proto_http"}.get(kind, kind)
+                assert kind in ("none", "prometheus") or entry_points(group=group, name=plugin), (
+                    name, key, kind,
+                )  # fmt: skip
+        assert env.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf") == "http/protobuf", name
+
+
+def test_compose_urls_and_ports_match_listeners(
+    compose: dict[str, Any], programs: dict[str, tuple[Program, dict[str, str]]]
+) -> None:
+    """Every host:port named anywhere is a service listening on that port."""
+    services = services_of(compose)
+    ports = listening_ports(compose, programs)
+    named: list[tuple[str, str, int]] = []  # (where, host, port)
+    for name, (_program, env) in programs.items():
+        for value in env.values():
+            named += [(name, host, int(port)) for host, port in URL.findall(value)]
+    upstreams = demo_app.upstreams_from_env(programs["worker"][1])
+    assert upstreams, "DEMO_UPSTREAMS names no destination"
+    named += [("DEMO_UPSTREAMS", h, int(p)) for v in upstreams.values() for h, p in URL.findall(v)]
+    prometheus = load_yaml(DEPLOY / "prometheus.yml")
+    for job in prometheus["scrape_configs"]:
+        for static in job.get("static_configs", []):
+            for target in static["targets"]:
+                host, port = target.rsplit(":", 1)
+                named.append((f"prometheus {job['job_name']}", host, int(port)))
+        for dns in job.get("dns_sd_configs", []):
+            named += [(f"prometheus {job['job_name']}", n, int(dns["port"])) for n in dns["names"]]
+    collector = load_yaml(DEPLOY / "otel-collector.yaml")
+    for exporter, settings in collector["exporters"].items():
+        if exporter.startswith("otlp"):
+            host, port = settings["endpoint"].rsplit(":", 1)
+            named.append((f"collector {exporter}", host, int(port)))
+    for path in (DEPLOY / "grafana" / "provisioning" / "datasources").glob("*.yaml"):
+        for source in load_yaml(path)["datasources"]:
+            named += [(path.name, h, int(p)) for h, p in URL.findall(source["url"])]
+    expected = {"postgres", "rabbitmq", "otel-collector", "upstream", "pacerd", "jaeger"}
+    assert {host for _, host, _ in named} >= {*expected, "prometheus"}
+    for where, host, port in named:
+        assert host in services, (where, host)
+        assert port in ports[host], (where, host, port, ports[host])
+    for name, service in services.items():
+        for mapping in service.get("ports", []):
+            assert int(str(mapping).rsplit(":", 1)[1]) in ports[name], (name, mapping)
+        for exposed in service.get("expose", []):
+            assert int(exposed) in ports[name], (name, exposed)
+    assert {port_of(image_env()["PACERD_TELEMETRY__HTTP_ADDRESS"])} == ports["pacerd"]
+
+
+def test_compose_mounts_exist_and_health_dependencies_have_checks(
+    compose: dict[str, Any],
+) -> None:
+    services = services_of(compose)
+    for name, service in services.items():
+        for volume in service.get("volumes", []):
+            source = str(volume).split(":", 1)[0]
+            if source.startswith("./"):
+                assert (ROOT / source).exists(), (name, source)
+        depends_on = service.get("depends_on") or {}
+        if isinstance(depends_on, list):
+            depends_on = {key: {"condition": "service_started"} for key in depends_on}
+        for dependency, how in depends_on.items():
+            if how.get("condition") == "service_healthy":
+                check = services[dependency].get("healthcheck", {})
+                assert check.get("test") or services[dependency]["image"] == PACERD_IMAGE, (
+                    dependency
+                )
+                assert not check.get("disable"), dependency
+    # the image's HEALTHCHECK is pacerd's own: other programs of the image turn it off
+    for name, service in services.items():
+        if service["image"] == PACERD_IMAGE and name != "pacerd":
+            assert service["healthcheck"] == {"disable": True}, name
+    # pacerd keeps the image's liveness check, or names /livez itself
+    check = services["pacerd"].get("healthcheck")
+    assert check is None or "/livez" in " ".join(check["test"])
+
+
+def test_compose_pacerd_lifecycle(compose: dict[str, Any]) -> None:
+    services = services_of(compose)
+    pacerd = services["pacerd"]
+    assert pacerd["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    assert pacerd["depends_on"]["rabbitmq"]["condition"] == "service_healthy"
+    assert int(str(pacerd["stop_grace_period"]).rstrip("s")) > DRAIN_GRACE_SECONDS
+    assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+    assert services["rabbitmq"]["environment"]["RABBITMQ_DEFAULT_USER"] != "guest"
+    for name in ("worker", "producer"):
+        assert services[name]["depends_on"]["migrate"]["condition"] == (
+            "service_completed_successfully"
+        )
+
+
+def test_programs_in_the_image_need_no_extra(
+    programs: dict[str, tuple[Program, dict[str, str]]], compose: dict[str, Any]
+) -> None:
+    """The image installs pacerd without extras: what compose runs imports none of them."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    required = {re.split(r"[<>=;\[ ]", d, maxsplit=1)[0].lower() for d in project["dependencies"]}
+    extras = {
+        re.split(r"[<>=;\[ ]", d, maxsplit=1)[0].lower()
+        for group in project["optional-dependencies"].values() for d in group
+    } - required  # fmt: skip
+    blocked = sorted(
+        top for top, dists in packages_distributions().items()
+        if {d.lower() for d in dists} <= extras and top.isidentifier()
+    )  # fmt: skip
+    modules = {"pacerd.cli", "pacerd.daemon", "pacerd.worker", "pacerd.ledger"}
+    for service in services_of(compose).values():
+        entrypoint = service.get("entrypoint") or []
+        if entrypoint[:2] == ["python", "-m"]:
+            modules.add(entrypoint[2])
+        command = [str(c) for c in service.get("command") or []]
+        if "--app" in command:
+            modules.add(command[command.index("--app") + 1].split(":")[0])
+    script = (
+        "import sys, importlib.abc\n"
+        f"BLOCKED = set({blocked!r})\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in BLOCKED:\n"
+        "            raise ImportError(f'{name} is not installed in the image')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        f"for m in {sorted(modules)!r}:\n"
+        "    importlib.import_module(m)\n"
+    )
+    env = {**os.environ, "DEMO_UPSTREAMS": programs["worker"][1]["DEMO_UPSTREAMS"]}
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env,
+        check=False,
+    )  # fmt: skip
+    assert "matplotlib" in blocked
+    assert run.returncode == 0, run.stderr
+
+
+# -- Prometheus, alert rules, Grafana ------------------------------------------------
+
+needs_promtool = pytest.mark.skipif(
+    shutil.which("promtool") is None,
+    reason="promtool is not installed (Debian: apt-get install prometheus)",
+)
+GRAFANA = DEPLOY / "grafana"
+SCRAPE_LABELS = {"instance", "job", "le"}  # added by Prometheus, or a histogram's buckets
+
+
+def promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["promtool", *args], capture_output=True, text=True, timeout=120, cwd=cwd, check=False
+    )
+
+
+@needs_promtool
+def test_alert_rules_pass_promtool_and_their_unit_tests() -> None:
+    check = promtool("check", "rules", "alerts.yml", cwd=DEPLOY)
+    assert check.returncode == 0, check.stdout + check.stderr
+    tested = promtool("test", "rules", "alerts.test.yml", cwd=DEPLOY)
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+    rules = load_yaml(DEPLOY / "alerts.yml")["groups"][0]["rules"]
+    tests = load_yaml(DEPLOY / "alerts.test.yml")["tests"]
+    fired = {
+        case["alertname"] for test in tests for case in test["alert_rule_test"]
+        if case["exp_alerts"]
+    }  # fmt: skip
+    assert fired == {rule["alert"] for rule in rules}  # every rule has a test where it fires
+
+
+@needs_promtool
+def test_prometheus_config_passes_promtool(tmp_path: Path) -> None:
+    prometheus = load_yaml(DEPLOY / "prometheus.yml")
+    mounted = {
+        str(v).split(":")[1]: str(v).split(":")[0]
+        for v in load_yaml(COMPOSE)["services"]["prometheus"]["volumes"]
+    }  # fmt: skip
+    # rule files are named by their path in the container: check the files mounted there
+    for index, path in enumerate(prometheus["rule_files"]):
+        source = ROOT / mounted[path]
+        (tmp_path / source.name).write_text(source.read_text())
+        prometheus["rule_files"][index] = str(tmp_path / source.name)
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(prometheus))
+    check = promtool("check", "config", "prometheus.yml", cwd=tmp_path)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def scrape_every_metric() -> dict[str, set[str]]:
+    """Each Prometheus series name a telemetry instance exports, with its labels,
+    after recording a value for every metric pacerd has."""
+    registry = CollectorRegistry()
+    tel = setup_telemetry(
+        "pacerd", "info", "json", metric_readers=[], prometheus=True,
+        prometheus_registry=registry, log_stream=io.StringIO(), instance="h:1",
+    )  # fmt: skip
+    try:
+        tel.record_tick(
+            "llm", rate=2.5, budget=3, admitted=2, inflight=4, due=10,
+            oldest_due_age_seconds=12.0, drain_eta_seconds=4.0, refused=1, duration_seconds=0.02,
+        )  # fmt: skip
+        tel.record_reconcile(claims_released=1, offers_rescheduled=1, offers_dead=1)
+        tel.record_outcome("refused", "stale")
+        tel.record_invalid_outcome("not_json")
+        tel.record_dead("llm", 3)
+        tel.record_leadership({"llm": True})
+        tel.record_admission_state("llm", paused=True, paused_locally=False, cooldown=True)
+        tel.record_publish("llm", confirm_seconds=0.01, nacked=1, returned=1, timeouts=1)
+        families = list(registry.collect())
+    finally:
+        tel.shutdown(timeout_seconds=2)
+    family_names = {family.name for family in families}
+    for metric in METRICS:  # so a metric added to telemetry.py is recorded above too
+        assert any(f.startswith(metric.replace(".", "_")) for f in family_names), metric
+    series: dict[str, set[str]] = {"up": set()}
+    for family in families:
+        for sample in family.samples:
+            series.setdefault(sample.name, set()).update(sample.labels)
+    return series
+
+
+def queries() -> list[tuple[str, str]]:
+    """(where, PromQL) of every dashboard panel, template variable and alert rule."""
+    found: list[tuple[str, str]] = []
+    dashboard = json.loads((GRAFANA / "dashboards" / "pacerd.json").read_text())
+    for panel in dashboard["panels"]:
+        found += [(panel["title"], target["expr"]) for target in panel["targets"]]
+    for variable in dashboard["templating"]["list"]:
+        found.append((f"${variable['name']}", variable["definition"]))
+    for group in load_yaml(DEPLOY / "alerts.yml")["groups"]:
+        found += [(rule["alert"], rule["expr"]) for rule in group["rules"]]
+    return found
+
+
+def test_dashboard_and_rules_query_only_what_pacerd_exports() -> None:
+    series = scrape_every_metric()
+    labels = set().union(*series.values()) | SCRAPE_LABELS
+    selector = re.compile(r"\b(pacerd_\w+|up)\s*(?:\{([^}]*)\})?")
+    for where, expr in queries():
+        names = [match.group(1) for match in selector.finditer(expr)]
+        assert names, (where, expr)
+        for match in selector.finditer(expr):
+            name, matchers = match.group(1), match.group(2) or ""
+            assert name in series, (where, name)
+            for label in re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", matchers):
+                assert label in series[name] | SCRAPE_LABELS, (where, name, label)
+        for grouping in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expr):
+            for label in filter(None, (part.strip() for part in grouping.split(","))):
+                assert label in labels, (where, label)
+    rules_text = (DEPLOY / "alerts.yml").read_text()
+    legends = (GRAFANA / "dashboards" / "pacerd.json").read_text()
+    for label in re.findall(r"\$labels\.(\w+)", rules_text) + re.findall(r"\{\{(\w+)\}\}", legends):
+        assert label in labels, label
+
+
+def test_grafana_provisioning_matches_compose() -> None:
+    grafana = load_yaml(COMPOSE)["services"]["grafana"]
+    mounts = dict(str(v).split(":")[:2] for v in grafana["volumes"])
+    assert mounts["./deploy/grafana/provisioning"] == "/etc/grafana/provisioning"
+    [provider] = load_yaml(GRAFANA / "provisioning" / "dashboards" / "pacerd.yaml")["providers"]
+    assert mounts["./deploy/grafana/dashboards"] == provider["options"]["path"]
+    [source] = load_yaml(GRAFANA / "provisioning" / "datasources" / "prometheus.yaml")[
+        "datasources"
+    ]
+    dashboard = json.loads((GRAFANA / "dashboards" / "pacerd.json").read_text())
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home == f"{provider['options']['path']}/pacerd.json"
+    ids = [panel["id"] for panel in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    uids = {
+        target["datasource"]["uid"] for panel in dashboard["panels"]
+        for target in [panel, *panel["targets"]]
+    }  # fmt: skip
+    assert uids == {source["uid"]}
+
+
+def test_collector_pipelines_reach_jaeger_and_prometheus() -> None:
+    collector = load_yaml(DEPLOY / "otel-collector.yaml")
+    pipelines = collector["service"]["pipelines"]
+    exporters = collector["exporters"]
+    assert [exporters[e]["endpoint"] for e in pipelines["traces"]["exporters"]] == ["jaeger:4317"]
+    assert pipelines["metrics"]["exporters"] == ["prometheus"]
+    for pipeline in pipelines.values():
+        assert set(pipeline["receivers"]) <= set(collector["receivers"])
+        assert set(pipeline.get("processors", [])) <= set(collector["processors"])
+        assert set(pipeline["exporters"]) <= set(exporters)

@@ -1,4 +1,4 @@
-"""/healthz and /metrics over a real loopback socket (port 0: any free port)."""
+"""/livez, /readyz, /healthz and /metrics over a real loopback socket (port 0: any free port)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
 from pacerd.clock import ManualClock
+from pacerd.config import load_config
+from pacerd.daemon import Daemon
 from pacerd.health import CheckResult, HealthCheck, TickProgress, parse_address, serve_health
 from pacerd.telemetry import Telemetry
 
@@ -189,3 +191,39 @@ async def test_checks_may_return_ok_and_data() -> None:
         "liveness": {"ok": True, "detail": "", "instance": "host:1"},
         "readiness": {"ok": False, "detail": "", "broker": False, "leading": ["mail"]},
     }
+
+
+@pytest.mark.parametrize(("alive", "ready"), [(True, False), (False, True), (True, True)])
+async def test_livez_and_readyz_answer_apart(alive: bool, ready: bool) -> None:
+    async with running_server(always(alive, "ticking"), always(ready, "broker down")) as port:
+        live, _, live_body = await get(port, "/livez")
+        readiness, _, ready_body = await get(port, "/readyz")
+        health, _, _ = await get(port, "/healthz")
+        head, _, head_body = await request(port, b"HEAD /livez HTTP/1.1\r\n\r\n")
+    assert (live, head, head_body) == (200 if alive else 503, live, b"")
+    assert json.loads(live_body) == {
+        "status": "ok" if alive else "unavailable",
+        "checks": {"liveness": {"ok": alive, "detail": "ticking"}},
+    }
+    assert readiness == (200 if ready else 503)
+    assert json.loads(ready_body) == {
+        "status": "ok" if ready else "unavailable",
+        "checks": {"readiness": {"ok": ready, "detail": "broker down"}},
+    }
+    assert health == (200 if alive and ready else 503)
+
+
+async def test_daemon_without_broker_or_ledger_is_live_but_not_ready() -> None:
+    """What the daemon answers before it connects, or after losing both."""
+    cfg = load_config(None, {})
+    daemon = Daemon(cfg, config_path=None, clock=ManualClock(), signals=False)
+    async with running_server(daemon._liveness, daemon._readiness) as port:
+        live, _, _ = await get(port, "/livez")
+        not_ready, _, body = await get(port, "/readyz")
+        daemon._ledger_error = "connection refused"
+        _, _, with_error = await get(port, "/readyz")
+    assert (live, not_ready) == (200, 503)
+    assert json.loads(body)["checks"]["readiness"] == {
+        "ok": False, "detail": "", "broker": False, "ledger": False, "leading": [],
+    }  # fmt: skip
+    assert json.loads(with_error)["checks"]["readiness"]["ledger_error"] == "connection refused"

@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
+import os
+import platform
 import threading
 import time
 from typing import TYPE_CHECKING
 
+import aiormq.exceptions
 import pytest
 import structlog
+from aiormq.abc import DeliveredMessage
+from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
+from opentelemetry.sdk.metrics import ObservableGauge
+
+# The class MetricReader's preferred_temporality keys the synchronous gauge by.
+from opentelemetry.sdk.metrics._internal.instrument import Gauge as SyncGauge
 from opentelemetry.sdk.metrics.export import (
+    AggregationTemporality,
     HistogramDataPoint,
     InMemoryMetricReader,
     NumberDataPoint,
@@ -21,9 +32,19 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
+from pamqp.commands import Basic
+from pamqp.header import ContentHeader
 from prometheus_client import CollectorRegistry
 
+from pacerd import __version__
 from pacerd import telemetry as tm
+from pacerd.admission import TickResult, rejection_reason
+from pacerd.clock import ManualClock
+from pacerd.daemon import TelemetryObserver
+from pacerd.errors import PublishRejected
+from pacerd.models import ClaimedJob
+from pacerd.publisher import _outcome as publisher_outcome
+from pacerd.publisher import translate_errors
 from pacerd.telemetry import (
     SPAN_CLAIM,
     SPAN_MARK_OFFERED,
@@ -187,6 +208,168 @@ def test_metric_values(harness: Harness) -> None:
     assert harness.points(tm.METRIC_OUTCOMES_INVALID) == {frozenset({("reason", "not_json")}): 1}
 
 
+def test_outcomes_are_counted_by_result(harness: Harness) -> None:
+    tel = harness.telemetry
+    tel.record_outcome("ok", "stale")
+    tel.record_outcome("refused", "unknown")
+    tel.count_outcomes("ok", "applied", 5)
+    assert harness.points(tm.METRIC_OUTCOMES) == {
+        frozenset({("outcome", "ok"), ("result", "stale")}): 1,
+        frozenset({("outcome", "refused"), ("result", "unknown")}): 1,
+        frozenset({("outcome", "ok"), ("result", "applied")}): 5,
+    }
+
+
+def test_operational_gauges_and_publish_metrics(harness: Harness) -> None:
+    tel = harness.telemetry
+    tel.record_dead("mail", 3)
+    tel.record_leadership({"mail": True, "sms": False})
+    tel.record_admission_state("mail", paused=False, paused_locally=True, cooldown=False)
+    tel.record_publish("mail", confirm_seconds=0.004)
+    tel.record_publish("mail", nacked=2, returned=1, timeouts=0)
+    mail = frozenset({("destination", "mail")})
+    assert harness.points(tm.METRIC_DEAD) == {mail: 3}
+    assert harness.points(tm.METRIC_LEADER) == {mail: 1, frozenset({("destination", "sms")}): 0}
+    assert harness.points(tm.METRIC_PAUSED) == {
+        mail | {("scope", "ledger")}: 0, mail | {("scope", "local")}: 1,
+    }  # fmt: skip
+    assert harness.points(tm.METRIC_COOLDOWN) == {mail: 0}
+    assert harness.points(tm.METRIC_PUBLISH_CONFIRM) == {mail: 1}
+    assert harness.points(tm.METRIC_PUBLISH_FAILURES) == {
+        mail | {("reason", "nacked")}: 2, mail | {("reason", "returned")}: 1,
+    }  # fmt: skip
+
+
+def test_gauges_keep_their_value_between_delta_collections() -> None:
+    """The SDK's synchronous gauge reports a value once per delta collection;
+    pacerd's gauges report the latest value at every collection."""
+    delta: dict[type, AggregationTemporality] = {
+        ObservableGauge: AggregationTemporality.DELTA, SyncGauge: AggregationTemporality.DELTA,
+    }  # fmt: skip
+    reader = InMemoryMetricReader(preferred_temporality=delta)
+    tel = setup_telemetry(
+        "pacerd-test", "info", "json", metric_readers=[reader],
+        span_exporter=InMemorySpanExporter(), log_stream=io.StringIO(),
+    )  # fmt: skip
+    try:
+        sdk_gauge = tel.meter.create_gauge("sdk.gauge")
+        sdk_gauge.set(7)
+        record_a_tick(tel)
+        tel.record_dead("mail", 3)
+        first, second = _collected(reader), _collected(reader)
+    finally:
+        tel.shutdown(timeout_seconds=2)
+    assert first["sdk.gauge"] == 7
+    assert "sdk.gauge" not in second  # forgotten by the SDK after one collection
+    for name in (tm.METRIC_RATE, tm.METRIC_DUE, tm.METRIC_DEAD, tm.METRIC_BUILD_INFO):
+        assert second[name] == first[name], name
+
+
+def _collected(reader: InMemoryMetricReader) -> dict[str, float]:
+    data = reader.get_metrics_data()
+    assert data is not None
+    return {
+        metric.name: point.value
+        for resource in data.resource_metrics for scope in resource.scope_metrics
+        for metric in scope.metrics for point in metric.data.data_points
+        if isinstance(point, NumberDataPoint)
+    }  # fmt: skip
+
+
+def test_a_destination_no_longer_led_stops_reporting_tick_gauges(harness: Harness) -> None:
+    tel = harness.telemetry
+    record_a_tick(tel)
+    tel.record_dead("mail", 3)
+    tel.record_leadership({"mail": True})
+    tel.record_admission_state("mail", paused=True, paused_locally=False, cooldown=False)
+    tel.forget_destination("mail")
+    for name in (tm.METRIC_RATE, tm.METRIC_INFLIGHT, tm.METRIC_DUE, tm.METRIC_PAUSED):
+        assert harness.points(name) == {}, name
+    mail = frozenset({("destination", "mail")})
+    assert harness.points(tm.METRIC_DEAD) == {mail: 3}
+    assert harness.points(tm.METRIC_LEADER) == {mail: 1}
+
+
+def test_instance_name_on_resource_build_info_and_every_log_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _without_otel_env(monkeypatch)
+    reader, stream = InMemoryMetricReader(), io.StringIO()
+    tel = setup_telemetry(
+        "pacerd", "info", "json", metric_readers=[reader], log_stream=stream,
+        instance="host-a:41",
+    )  # fmt: skip
+    try:
+        structlog.get_logger("pacerd.daemon").info("pacerd_ready")
+        logging.getLogger("aio_pika").warning("connection lost")
+        assert tel.meter_provider._sdk_config.resource.attributes["service.instance.id"] == (
+            "host-a:41"
+        )
+        data = reader.get_metrics_data()
+        assert data is not None
+        [info] = [
+            point.attributes for resource in data.resource_metrics
+            for scope in resource.scope_metrics for metric in scope.metrics
+            if metric.name == tm.METRIC_BUILD_INFO for point in metric.data.data_points
+        ]  # fmt: skip
+        assert dict(info or {}) == {
+            "version": __version__, "python_version": platform.python_version(),
+            "instance_name": "host-a:41",
+        }  # fmt: skip
+    finally:
+        tel.shutdown(timeout_seconds=2)
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert lines
+    assert {line.get("instance") for line in lines} == {"host-a:41"}
+
+
+def test_instance_id_from_the_environment_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    _without_otel_env(monkeypatch)
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.instance.id=pod-7")
+    tel = setup_telemetry("pacerd", "info", "json", log_stream=io.StringIO(), instance="h:1")
+    try:
+        assert tel.tracer_provider.resource.attributes["service.instance.id"] == "pod-7"
+    finally:
+        tel.shutdown(timeout_seconds=2)
+
+
+def test_prometheus_names_on_metrics(harness: Harness) -> None:
+    """What Prometheus sees: the names dashboards and alert rules use."""
+    registry = CollectorRegistry()
+    tel = setup_telemetry(
+        "pacerd", "info", "json", metric_readers=[], prometheus=True,
+        prometheus_registry=registry, log_stream=io.StringIO(), instance="h:1",
+    )  # fmt: skip
+    try:
+        exercise_every_metric(tel)
+        names = {sample.name for family in registry.collect() for sample in family.samples}
+    finally:
+        tel.shutdown(timeout_seconds=2)
+    assert {
+        "pacerd_rate_per_second", "pacerd_admitted_total", "pacerd_refusals_total",
+        "pacerd_inflight", "pacerd_due", "pacerd_oldest_due_age_seconds",
+        "pacerd_drain_eta_seconds", "pacerd_leases_reclaimed_total", "pacerd_outcomes_total",
+        "pacerd_dead", "pacerd_leader", "pacerd_paused", "pacerd_cooldown",
+        "pacerd_publish_confirm_duration_seconds_bucket", "pacerd_publish_failures_total",
+        "pacerd_build_info",
+    } <= names  # fmt: skip
+
+
+def exercise_every_metric(tel: Telemetry) -> None:
+    """Records a value for every metric pacerd has (so each shows up on a scrape)."""
+    tel.record_tick(
+        "mail", rate=2.5, budget=3, admitted=2, inflight=4, due=10, oldest_due_age_seconds=12.0,
+        drain_eta_seconds=4.0, refused=1, duration_seconds=0.02,
+    )  # fmt: skip
+    tel.record_reconcile(claims_released=1, offers_rescheduled=1, offers_dead=1)
+    tel.record_outcome("refused", "stale")
+    tel.record_invalid_outcome("not_json")
+    tel.record_dead("mail", 3)
+    tel.record_leadership({"mail": True})
+    tel.record_admission_state("mail", paused=True, paused_locally=False, cooldown=True)
+    tel.record_publish("mail", confirm_seconds=0.01, nacked=1, returned=1, timeouts=1)
+
+
 def test_log_line_inside_a_tick_carries_its_trace_id(harness: Harness) -> None:
     log = structlog.get_logger("pacerd.admission")
     with harness.telemetry.tick_span("mail") as span:
@@ -303,6 +486,53 @@ def _names(items: Sequence[object]) -> list[str]:
     return [type(item).__name__ for item in items]
 
 
+def _without_otel_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in [k for k in os.environ if k.startswith("OTEL_")]:
+        monkeypatch.delenv(key)
+
+
+def test_no_endpoint_configured_exports_nothing_and_logs_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _without_otel_env(monkeypatch)
+    stream = io.StringIO()
+    tel = setup_telemetry(
+        "pacerd", "debug", "json", log_stream=stream, prometheus_registry=CollectorRegistry()
+    )
+    for _ in range(3):
+        with tel.tick_span("mail"):
+            record_a_tick(tel)
+    assert (tel.span_exporters, tel.metric_exporters, tel.metric_readers) == ((), (), ())
+    tel.shutdown(timeout_seconds=2)
+    otel_lines = [line for line in stream.getvalue().splitlines() if "opentelemetry" in line]
+    assert otel_lines == []
+    assert "4318" not in stream.getvalue()
+
+
+def test_explicit_otlp_exporter_is_kept_without_an_endpoint(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _without_otel_env(monkeypatch)
+    tel = _env_telemetry(monkeypatch, OTEL_TRACES_EXPORTER="otlp")
+    try:
+        assert _names(tel.span_exporters) == [OTLPSpanExporter.__name__]
+        assert tel.metric_readers == ()
+    finally:
+        tel.shutdown(timeout_seconds=0.5)
+
+
+def test_a_signal_endpoint_selects_otlp_for_that_signal_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _without_otel_env(monkeypatch)
+    tel = _env_telemetry(monkeypatch, OTEL_EXPORTER_OTLP_METRICS_ENDPOINT="http://127.0.0.1:9")
+    try:
+        assert tel.span_exporters == ()
+        assert _names(tel.metric_exporters) == [OTLPMetricExporter.__name__]
+    finally:
+        tel.shutdown(timeout_seconds=0.5)
+
+
 def test_none_exporters(monkeypatch: pytest.MonkeyPatch) -> None:
     tel = _env_telemetry(monkeypatch, OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none")
     with tel.tick_span("mail"):
@@ -373,3 +603,61 @@ def test_shutdown_is_bounded_when_the_collector_does_not_answer() -> None:
 async def test_aclose_runs_off_the_event_loop(harness: Harness) -> None:
     await harness.telemetry.aclose(timeout_seconds=2)
     harness.telemetry.shutdown()  # idempotent
+
+
+# -- the daemon's wiring -----------------------------------------------------------
+
+
+async def test_publisher_rejections_are_told_apart() -> None:
+    returned = DeliveredMessage(
+        delivery=Basic.Return(reply_code=312, reply_text="NO_ROUTE", routing_key="mail"),
+        header=ContentHeader(), body=b"", channel=None,  # type: ignore[arg-type]
+    )  # fmt: skip
+    errors = {}
+    for name, driver_error in (
+        ("return", aiormq.exceptions.PublishError(returned, Basic.Return())),
+        ("delivery", aiormq.exceptions.DeliveryError(None, Basic.Nack())),
+    ):
+        with pytest.raises(PublishRejected) as caught, translate_errors():
+            raise driver_error
+        errors[name] = caught.value
+    assert rejection_reason(errors["return"]) == "returned"
+    assert rejection_reason(errors["delivery"]) == "nacked"
+    nack: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+    nack.set_result(Basic.Nack())
+    nacked = publisher_outcome(nack, timed_out=False)
+    assert isinstance(nacked, PublishRejected)
+    assert rejection_reason(nacked) == "nacked"
+
+
+def test_observer_records_confirm_time_state_and_failures(harness: Harness) -> None:
+    clock = ManualClock()
+    observer = TelemetryObserver(harness.telemetry, clock)
+    job = ClaimedJob(
+        job_id="j1", kind="k", destination="mail", attempt=1, revision=0, payload_json="{}",
+        cursor_json=None, eligible_at=clock.now(), live=True,
+    )  # fmt: skip
+    with observer.publish_span("mail", [job]) as headers:
+        assert "traceparent" in headers
+        clock.advance(0.25)
+    observer.tick_completed(
+        TickResult(destination="mail", skipped="cooldown", nacked=2, returned=1, confirm_timeouts=3)
+    )
+    mail = frozenset({("destination", "mail")})
+    assert harness.points(tm.METRIC_PUBLISH_CONFIRM) == {mail: 1}
+    assert harness.points(tm.METRIC_COOLDOWN) == {mail: 1}
+    assert harness.points(tm.METRIC_PAUSED) == {
+        mail | {("scope", "ledger")}: 0, mail | {("scope", "local")}: 0,
+    }  # fmt: skip
+    assert harness.points(tm.METRIC_PUBLISH_FAILURES) == {
+        mail | {("reason", "nacked")}: 2, mail | {("reason", "returned")}: 1,
+        mail | {("reason", "timeout")}: 3,
+    }  # fmt: skip
+    data = harness.metrics.get_metrics_data()
+    assert data is not None
+    [point] = [
+        p for r in data.resource_metrics for s in r.scope_metrics for m in s.metrics
+        if m.name == tm.METRIC_PUBLISH_CONFIRM for p in m.data.data_points
+    ]  # fmt: skip
+    assert isinstance(point, HistogramDataPoint)
+    assert point.sum == 0.25

@@ -1,0 +1,143 @@
+"""``pacerd run`` as a subprocess with its HTTP endpoint, the broker behind a proxy
+that can refuse: a broker outage makes the instance unready (``/readyz`` 503), never
+unlive (``/livez`` stays 200, so a container runtime does not restart a daemon that
+reconnects by itself); ``/metrics`` shows who leads and what runs; every log line
+names the instance."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit, urlunsplit
+
+import anyio
+import pytest
+from cutproxy import CutProxy
+from ha_helpers import schedule_backlog
+
+if TYPE_CHECKING:
+    from pathlib import Path
+    from typing import BinaryIO
+
+pytestmark = [pytest.mark.services, pytest.mark.timeout(120)]
+INSTANCE = "probe-1"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
+async def http_get(port: int, path: str) -> tuple[int, str]:
+    with anyio.fail_after(10):
+        async with await anyio.connect_tcp("127.0.0.1", port) as stream:
+            await stream.send(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            data = b""
+            try:
+                while True:
+                    data += await stream.receive()
+            except anyio.EndOfStream:
+                pass
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body.decode()
+
+
+async def until_status(port: int, path: str, status: int) -> None:
+    """Polls ``path`` until it answers ``status`` (the listener may not be up yet)."""
+    with anyio.fail_after(30):
+        while True:
+            try:
+                if (await http_get(port, path))[0] == status:
+                    return
+            except OSError:
+                pass
+            await anyio.sleep(0.1)
+
+
+def start_pacerd(config: Path, out: BinaryIO) -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PACERD_", "OTEL_"))}
+    return subprocess.Popen(
+        [sys.executable, "-m", "pacerd", "run", "-c", str(config)],
+        stdout=out, stderr=subprocess.STDOUT, env=env,
+    )  # fmt: skip
+
+
+def stop_pacerd(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+def sample(metrics: str, name: str, **labels: str) -> float | None:
+    """The value of the series ``name`` whose labels include ``labels``."""
+    for line in metrics.splitlines():
+        series, _, value = line.rpartition(" ")
+        if series.startswith(name + "{") and all(f'{k}="{v}"' in series for k, v in labels.items()):
+            return float(value)
+    return None
+
+
+async def test_broker_outage_fails_readiness_not_liveness(
+    db_dsn: str, amqp_url: str, tmp_path: Path
+) -> None:
+    destination = f"e2e-{uuid.uuid4().hex[:8]}"
+    await schedule_backlog(db_dsn, destination, 10)
+    broker = urlsplit(amqp_url)
+    proxy = CutProxy(broker.hostname or "127.0.0.1", broker.port or 5672)
+    await proxy.start()
+    credentials = broker.netloc.rpartition("@")[0]
+    proxied = urlunsplit(broker._replace(netloc=f"{credentials}@127.0.0.1:{proxy.port}"))
+    port = free_port()
+    config = tmp_path / "pacerd.toml"
+    config.write_text(
+        f'[database]\ndsn = "{db_dsn}"\n\n[broker]\nurl = "{proxied}"\n\n'
+        "[pacing]\ntick_seconds = 0.2\n\n[daemon]\nshutdown_grace_seconds = 5.0\n"
+        f'instance_name = "{INSTANCE}"\n\n'
+        f'[telemetry]\nlog_format = "json"\nhttp_address = "127.0.0.1:{port}"\n'
+    )
+    log = tmp_path / "log"
+    with log.open("wb") as out:
+        process = start_pacerd(config, out)
+        try:
+            await until_status(port, "/readyz", 200)
+            with anyio.fail_after(30):  # leadership is taken one tick after the lock
+                while sample((await http_get(port, "/metrics"))[1], "pacerd_leader",
+                             destination=destination) != 1:  # fmt: skip
+                    await anyio.sleep(0.1)
+            _, metrics = await http_get(port, "/metrics")
+            assert sample(metrics, "pacerd_build_info", instance_name=INSTANCE) == 1
+            assert (await http_get(port, "/livez"))[0] == 200
+
+            proxy.refuse()
+            proxy.cut()
+            await until_status(port, "/readyz", 503)
+            assert (await http_get(port, "/livez"))[0] == 200
+            with anyio.fail_after(30):  # past the broker grace, leadership is given up
+                while "leadership_session_closed" not in log.read_text():
+                    await anyio.sleep(0.1)
+            status, body = await http_get(port, "/livez")
+            assert status == 200, body
+            _, health = await http_get(port, "/healthz")
+            assert json.loads(health)["checks"]["readiness"]["broker"] is False
+
+            proxy.heal()
+            await until_status(port, "/readyz", 200)
+            process.send_signal(signal.SIGTERM)
+            with anyio.fail_after(30):
+                while process.poll() is None:
+                    await anyio.sleep(0.05)
+            assert process.returncode == 0
+        finally:
+            stop_pacerd(process)
+            await proxy.close()
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    assert lines
+    assert {line.get("instance") for line in lines} == {INSTANCE}
