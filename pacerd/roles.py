@@ -164,3 +164,34 @@ def grants_sql(roles: RoleNames, *, create_roles: bool = True) -> str:
         else:
             parts.append(_if_role_exists(role, statements))
     return "\n".join(parts) + "\n"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BrokerPermissions:
+    """One RabbitMQ user's permissions in pacerd's virtual host: a regular
+    expression each for configure, write and read (``rabbitmqctl
+    set_permissions -p VHOST USER CONFIGURE WRITE READ``)."""
+
+    configure: str
+    write: str
+    read: str
+
+    def rabbitmqctl(self, vhost: str, user: str) -> list[str]:
+        return ["set_permissions", "-p", vhost, user, self.configure, self.write, self.read]
+
+
+# The daemon declares and binds every pacerd.* exchange and queue, publishes
+# offers to pacerd.ready, consumes pacerd.outcomes and parks malformed
+# outcomes through the default exchange. (Extend the patterns with any
+# `queue =` name outside pacerd.*.)
+DAEMON_BROKER_PERMISSIONS = BrokerPermissions(
+    configure=r"^pacerd\.", write=r"^(pacerd\..*|amq\.default)$", read=r"^pacerd\."
+)
+
+
+def worker_broker_permissions(queues: list[str] | tuple[str, ...] = ()) -> BrokerPermissions:
+    """A worker consumes its ready queues (all of them when ``queues`` is
+    empty), publishes outcomes to the pacerd.outcomes exchange, and declares
+    nothing: the library checks the topology with passive declares."""
+    read = "^(" + "|".join(re.escape(q) for q in queues) + ")$" if queues else r"^pacerd\.ready\."
+    return BrokerPermissions(configure="^$", write=r"^pacerd\.outcomes$", read=read)
