@@ -32,7 +32,9 @@ from pacerd.testing import apply_outcomes, offer_due, take_parked
 from pacerd.worker import Job, Worker, WorkerApp
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Awaitable, Callable, Iterator
+
+    from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 
 pytestmark = [pytest.mark.services, pytest.mark.timeout(120)]
 
@@ -135,7 +137,7 @@ async def _refused_everything_else(worker_url: str, queue: str) -> None:
     async with connection:
         channel = await connection.channel()
         await channel.declare_queue(queue, passive=True)  # allowed: checks, changes nothing
-        attempts = {
+        attempts: dict[str, Callable[[AbstractChannel], Awaitable[object]]] = {
             "declare": lambda ch: ch.declare_queue("pacerd.ready.other", durable=True),
             "declare the outcomes queue": lambda ch: ch.declare_queue(
                 OUTCOMES_QUEUE, durable=True, arguments={"x-queue-type": "quorum"}
@@ -146,20 +148,20 @@ async def _refused_everything_else(worker_url: str, queue: str) -> None:
             "default exchange": lambda ch: _publish(ch, "", queue),
         }
         for what, attempt in attempts.items():
-            channel = await connection.channel(publisher_confirms=True)
+            confirming = await connection.channel(publisher_confirms=True)
             with pytest.raises(aiormq.exceptions.ChannelAccessRefused):
-                await attempt(channel)
-            assert channel.is_closed, what
+                await attempt(confirming)
+            assert confirming.is_closed, what
 
 
-async def _consume(channel: aio_pika.abc.AbstractChannel, name: str) -> None:
-    async def ack(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+async def _consume(channel: AbstractChannel, name: str) -> None:
+    async def ack(message: AbstractIncomingMessage) -> None:
         await message.ack()
 
     declared = await channel.declare_queue(name, passive=True)
     await declared.consume(ack)
 
 
-async def _publish(channel: aio_pika.abc.AbstractChannel, exchange: str, key: str) -> None:
+async def _publish(channel: AbstractChannel, exchange: str, key: str) -> None:
     target = channel.default_exchange if exchange == "" else await channel.get_exchange(exchange)
     await target.publish(aio_pika.Message(b"{}"), routing_key=key)
