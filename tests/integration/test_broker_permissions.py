@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import subprocess
 import uuid
 from typing import TYPE_CHECKING
 from urllib.parse import quote, urlsplit, urlunsplit
@@ -17,7 +16,7 @@ import aio_pika
 import aiormq
 import anyio
 import pytest
-from role_helpers import dsn_as, login_role
+from role_helpers import dsn_as, login_role, rabbitmqctl
 
 from pacerd.client import Client
 from pacerd.ledger import Ledger
@@ -41,34 +40,30 @@ pytestmark = [pytest.mark.services, pytest.mark.timeout(120)]
 AMQP_BASE = "amqp://guest:guest@127.0.0.1:5672/"
 
 
-def _rabbitmqctl(*args: str) -> None:
-    subprocess.run(["rabbitmqctl", "-q", *args], capture_output=True, timeout=60, check=True)
-
-
 @pytest.fixture
 def vhost() -> Iterator[str]:
     if shutil.which("rabbitmqctl") is None:
         pytest.skip("rabbitmqctl is needed to create users and a virtual host")
     name = f"pacerd-perm-{uuid.uuid4().hex[:10]}"
-    _rabbitmqctl("add_vhost", name)
+    rabbitmqctl("add_vhost", name)
     try:
         yield name
     finally:
-        _rabbitmqctl("delete_vhost", name)
+        rabbitmqctl("delete_vhost", name)
 
 
 @contextlib.contextmanager
 def broker_user(vhost: str, permissions: BrokerPermissions) -> Iterator[str]:
     """A user with only ``permissions`` in ``vhost``; yields its AMQP URL."""
     user, password = f"pacerd-perm-{uuid.uuid4().hex[:10]}", uuid.uuid4().hex
-    _rabbitmqctl("add_user", user, password)
+    rabbitmqctl("add_user", user, password)
     try:
-        _rabbitmqctl(*permissions.rabbitmqctl(vhost, user))
+        rabbitmqctl(*permissions.rabbitmqctl(vhost, user))
         parts = urlsplit(AMQP_BASE)
         netloc = f"{user}:{password}@{parts.hostname}:{parts.port}"
         yield urlunsplit(parts._replace(netloc=netloc, path=f"/{quote(vhost, safe='')}"))
     finally:
-        _rabbitmqctl("delete_user", user)
+        rabbitmqctl("delete_user", user)
 
 
 async def test_a_least_privilege_worker_runs_a_full_cycle(db_dsn: str, vhost: str) -> None:

@@ -30,3 +30,39 @@ REVOKE ALL ON SCHEMA pacerd FROM PUBLIC;
 REVOKE ALL ON ALL TABLES IN SCHEMA pacerd FROM PUBLIC;
 REVOKE ALL ON ALL SEQUENCES IN SCHEMA pacerd FROM PUBLIC;
 REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA pacerd FROM PUBLIC;
+
+-- Bad input stays harmless. A job id becomes the AMQP message id
+-- (`<job_id>:<attempt>`) and correlation id, short strings of at most 255
+-- bytes: an id too long for them could be scheduled but never published. Ids
+-- and kinds also reach logs and operators' terminals: no control characters
+-- (C0, DEL, C1). Checked on insert only, so rows written before stay
+-- claimable; a revision of a job tries an insert first, so it is checked too.
+-- (Destinations already have their pattern, in pacerd.schedule and pause.)
+CREATE FUNCTION pacerd._check_new_job() RETURNS trigger
+LANGUAGE plpgsql SET search_path = pg_catalog, pacerd, pg_temp AS $$
+BEGIN
+    IF octet_length(NEW.job_id) > 200 THEN
+        PERFORM pacerd._reject('schedule', format(
+            'job_id must be at most 200 bytes (it becomes the message id), got %s bytes',
+            octet_length(NEW.job_id)));
+    END IF;
+    IF NEW.job_id ~ '[\x01-\x1f\x7f-\x9f]' THEN
+        PERFORM pacerd._reject('schedule', 'job_id must not contain control characters');
+    END IF;
+    IF octet_length(NEW.kind) > 200 THEN
+        PERFORM pacerd._reject('schedule', format(
+            'kind must be at most 200 bytes, got %s bytes', octet_length(NEW.kind)));
+    END IF;
+    IF NEW.kind ~ '[\x01-\x1f\x7f-\x9f]' THEN
+        PERFORM pacerd._reject('schedule', 'kind must not contain control characters');
+    END IF;
+    RETURN NEW;
+END
+$$;
+REVOKE EXECUTE ON FUNCTION pacerd._check_new_job() FROM PUBLIC;
+
+-- The WHEN clause keeps the common case (a valid row) free of a PL/pgSQL call.
+CREATE TRIGGER jobs_check_new BEFORE INSERT ON pacerd.jobs FOR EACH ROW
+WHEN (octet_length(NEW.job_id) > 200 OR NEW.job_id ~ '[\x01-\x1f\x7f-\x9f]'
+      OR octet_length(NEW.kind) > 200 OR NEW.kind ~ '[\x01-\x1f\x7f-\x9f]')
+EXECUTE FUNCTION pacerd._check_new_job();
