@@ -189,7 +189,10 @@ async def migrate(
                 async with conn.transaction():
                     await conn.execute(grants_sql(roles, create_roles=create_roles))
             except asyncpg.PostgresError as exc:
-                raise MigrationError(f"granting the roles failed: {exc}") from exc
+                raise MigrationError(
+                    f"granting the roles failed: {exc} (where roles are made elsewhere,"
+                    " create them there and use `pacerd migrate --no-roles`)"
+                ) from exc
             if notice is not None and await conn.fetchval(
                 "SELECT rolsuper FROM pg_catalog.pg_roles WHERE rolname = current_user"
             ):
