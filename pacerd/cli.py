@@ -112,9 +112,26 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--shadow", action="store_true", help="compute decisions, claim and publish nothing"
     )
-    verbs.add_parser(
-        "migrate", parents=[common, as_json], help="create or upgrade the ledger schema"
+    migrate = verbs.add_parser(
+        "migrate",
+        parents=[common, as_json],
+        help="create or upgrade the ledger schema and its grants",
     )
+    migrate.add_argument(
+        "--no-roles",
+        action="store_true",
+        help="create no role (they are made elsewhere); grant those that exist",
+    )
+    migrate.add_argument(
+        "--print-grants", action="store_true", help="print the grants' SQL; change nothing"
+    )
+    for role in ("producer", "worker", "operator"):
+        migrate.add_argument(
+            f"--{role}-role",
+            default=f"pacerd_{role}",
+            metavar="NAME",
+            help=f"(default pacerd_{role})",
+        )
     verbs.add_parser(
         "check-config", parents=[common, as_json], help="validate the config file; change nothing"
     )
@@ -353,8 +370,23 @@ async def _with_client(cfg: Config, body: Callable[[Any], Awaitable[int]]) -> in
 
 async def _migrate(cfg: Config, args: argparse.Namespace) -> int:
     from pacerd import ledger
+    from pacerd.roles import RoleNames, grants_sql
 
-    applied = await ledger.migrate(cfg.database.dsn)
+    try:
+        roles = RoleNames(
+            producer=args.producer_role, worker=args.worker_role, operator=args.operator_role
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.print_grants:
+        print(grants_sql(roles, create_roles=not args.no_roles), end="")
+        return EX_OK
+    applied = await ledger.migrate(
+        cfg.database.dsn,
+        roles=roles,
+        create_roles=not args.no_roles,
+        notice=lambda text: print(f"pacerd: {text}", file=sys.stderr),
+    )
     led = await ledger.Ledger.connect(cfg.database.dsn, max_size=2)
     try:
         await led.write_settings(ledger.settings_from_retry(cfg.retry))

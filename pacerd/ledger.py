@@ -32,10 +32,11 @@ from pacerd.models import (
     ReclaimedJob,
     Report,
 )
+from pacerd.roles import RoleNames, grants_sql
 
 if TYPE_CHECKING:
     import datetime as dt
-    from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+    from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 
     from pacerd.clock import Clock
 
@@ -141,9 +142,18 @@ def migration_files() -> list[tuple[int, str, str]]:
     return found
 
 
-async def migrate(dsn: str) -> list[str]:
+async def migrate(
+    dsn: str,
+    *,
+    roles: RoleNames | None = None,
+    create_roles: bool = True,
+    notice: Callable[[str], None] | None = None,
+) -> list[str]:
     """Applies pending migrations, each in its own transaction, under an
-    advisory lock; returns the names applied (empty when up to date)."""
+    advisory lock, then (re-)asserts the roles' grants (``pacerd.roles``);
+    returns the names applied (empty when up to date). ``notice`` receives
+    the server's notices and warnings about the setup."""
+    roles = roles or RoleNames()
     applied: list[str] = []
     try:
         conn: asyncpg.Connection = await asyncpg.connect(dsn, timeout=10)
@@ -173,6 +183,23 @@ async def migrate(dsn: str) -> list[str]:
                 except asyncpg.PostgresError as exc:
                     raise MigrationError(f"migration {name} failed: {exc}") from exc
                 applied.append(name)
+            if notice is not None:
+                conn.add_log_listener(lambda _conn, message: notice(str(message.message)))
+            try:
+                async with conn.transaction():
+                    await conn.execute(grants_sql(roles, create_roles=create_roles))
+            except asyncpg.PostgresError as exc:
+                raise MigrationError(
+                    f"granting the roles failed: {exc} (where roles are made elsewhere,"
+                    " create them there and use `pacerd migrate --no-roles`)"
+                ) from exc
+            if notice is not None and await conn.fetchval(
+                "SELECT rolsuper FROM pg_catalog.pg_roles WHERE rolname = current_user"
+            ):
+                notice(
+                    "the pacerd functions run with the rights of their owner, a superuser:"
+                    " run `pacerd migrate` and `pacerd run` as a dedicated role"
+                )
     finally:
         with contextlib.suppress(Exception):
             await conn.execute("SELECT pg_advisory_unlock($1)", MIGRATION_LOCK_KEY)

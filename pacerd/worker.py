@@ -37,6 +37,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import aio_pika
+import aiormq
 import anyio
 import structlog
 from opentelemetry import trace
@@ -188,6 +189,7 @@ class Worker:
         self._client: Client | None = None
         self._connection: AbstractConnection | None = None  # the current session's
         self._client_lock, self._client_retry_at = anyio.Lock(), -math.inf
+        self._configures = True  # False once the broker refused a declaration
 
     @classmethod
     def from_config(cls, app: WorkerApp, cfg: Config) -> Worker:
@@ -238,12 +240,23 @@ class Worker:
                     await self._client.close()
 
     async def _declare(self) -> None:
-        """The same topology as the daemon (``Broker``): idempotent, either may start first."""
+        """The same topology as the daemon (``Broker``): idempotent, either may
+        start first. A user that may not configure (the least-privilege worker
+        of docs/security.md) declares nothing: the session's passive declares
+        then check that the daemon did, and invalid offers are parked through
+        ``pacerd.outcomes`` (the daemon moves them on to the invalid queue)."""
         broker = Broker(self.broker_url, self.queue_type, declare_queues=self.declare_queues)
         try:
             await broker.connect()
             for destination, queue in self.queues.items():
                 await broker.declare_destination(destination, queue)
+            self._configures = True
+        except BrokerUnavailable as exc:
+            if not isinstance(exc.__cause__, aiormq.exceptions.ChannelAccessRefused):
+                raise
+            if self._configures:
+                log.info("worker_declares_nothing", reason=str(exc.__cause__))
+            self._configures = False
         finally:
             await broker.close()
 
@@ -264,7 +277,7 @@ class Worker:
                 await channel.set_qos(prefetch_count=self.app.prefetch)
                 exchange = outcomes.default_exchange
                 if self.outcomes_exchange:
-                    exchange = await outcomes.get_exchange(self.outcomes_exchange, ensure=False)
+                    exchange = await outcomes.get_exchange(self.outcomes_exchange, ensure=True)
                 consumers = []
                 for destination, name in self.queues.items():
                     queue = await channel.declare_queue(name, passive=True)
@@ -466,7 +479,11 @@ class Worker:
             message.body, headers=headers, delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
             message_id=message.message_id, content_type=message.content_type,
         )  # fmt: skip
-        await self._publish_confirmed(default_exchange, parked, INVALID_QUEUE)
+        if self._configures:
+            await self._publish_confirmed(default_exchange, parked, INVALID_QUEUE)
+        else:  # no right to the default exchange: the daemon parks what is no outcome
+            routing_key = "" if self.outcomes_exchange else OUTCOMES_EXCHANGE
+            await self._publish_confirmed(exchange, parked, routing_key)
         await self._ack(message)
         self.stats.parked += 1
 
