@@ -4,6 +4,7 @@ it). Pure: it builds text and sends none (``ledger.migrate`` does).
 
 - owner: everything; the role that runs ``pacerd migrate`` and ``pacerd run``.
 - producer: EXECUTE schedule, cancel, is_current.
+- every role: SELECT on migrations (the schema version).
 - worker: EXECUTE report, is_current.
 - operator: the producer's functions, replay, pause, resume; SELECT on jobs,
   job_events, destinations, control.
@@ -36,6 +37,9 @@ WORKER_FUNCTIONS = ("report", "is_current")
 OPERATOR_FUNCTIONS = (*PRODUCER_FUNCTIONS, "replay", "pause", "resume")
 # What `pacerd status`, `show` and `dead` read.
 OPERATOR_TABLES = ("jobs", "job_events", "destinations", "control")
+# Every role may read which migrations are applied: a client tells an
+# unmigrated ledger (its own exit status) from a refusal.
+EVERY_ROLE_TABLES = ("migrations",)
 
 # Plain lower-case identifiers: they need no quoting anywhere (SQL, shell, docs).
 _ROLE_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
@@ -67,14 +71,17 @@ class RoleNames:
         """(role, functions, tables it may read), one entry per distinct role."""
         merged: dict[str, tuple[set[str], set[str]]] = {}
         for role, functions, tables in (
-            (self.producer, PRODUCER_FUNCTIONS, ()),
-            (self.worker, WORKER_FUNCTIONS, ()),
-            (self.operator, OPERATOR_FUNCTIONS, OPERATOR_TABLES),
+            (self.producer, PRODUCER_FUNCTIONS, EVERY_ROLE_TABLES),
+            (self.worker, WORKER_FUNCTIONS, EVERY_ROLE_TABLES),
+            (self.operator, OPERATOR_FUNCTIONS, (*OPERATOR_TABLES, *EVERY_ROLE_TABLES)),
         ):
             f, t = merged.setdefault(role, (set(), set()))
             f.update(functions)
             t.update(tables)
-        order = {name: i for i, name in enumerate((*PUBLIC_FUNCTIONS, *OPERATOR_TABLES))}
+        order = {
+            name: i
+            for i, name in enumerate((*PUBLIC_FUNCTIONS, *OPERATOR_TABLES, *EVERY_ROLE_TABLES))
+        }
         return [
             (role, tuple(sorted(f, key=order.__getitem__)), tuple(sorted(t, key=order.__getitem__)))
             for role, (f, t) in merged.items()

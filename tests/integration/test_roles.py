@@ -50,7 +50,12 @@ TABLES = {
     "settings": "key",
     "migrations": "name",
 }
-READABLE = {ROLES.operator: {"jobs", "job_events", "destinations", "control"}}
+# Every role reads the applied migrations: the CLI tells an unmigrated ledger apart.
+READABLE = {
+    ROLES.producer: {"migrations"},
+    ROLES.worker: {"migrations"},
+    ROLES.operator: {"jobs", "job_events", "destinations", "control", "migrations"},
+}
 WRITES = (
     "UPDATE pacerd.{t} SET {c} = {c}",
     "DELETE FROM pacerd.{t}",

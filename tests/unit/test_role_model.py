@@ -26,7 +26,7 @@ def test_unusable_role_names_are_refused(name: str) -> None:
 def test_one_role_in_two_parts_gets_both_rights_once() -> None:
     roles = RoleNames(producer="app", worker="app")
     rights = {role: (functions, tables) for role, functions, tables in roles.rights()}
-    assert rights["app"] == (("schedule", "report", "cancel", "is_current"), ())
+    assert rights["app"] == (("schedule", "report", "cancel", "is_current"), ("migrations",))
     sql = grants_sql(roles)
     # Its earlier rights are revoked once, before the grants, not between them.
     assert sql.count("REVOKE ALL ON ALL FUNCTIONS IN SCHEMA pacerd FROM app;") == 1
