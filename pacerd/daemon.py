@@ -172,6 +172,7 @@ class Daemon:
             publish_timeout_seconds=cfg.broker.publish_timeout_seconds,
             declare_queues=cfg.broker.declare_queues,
             name=f"pacerd {self.instance}",
+            route=lambda destination: self.cfg.route_for(destination).routing_key,
         )
         self.locks = ledger_module.LeaderLocks(
             cfg.database.dsn, instance=self.instance, clock=self.clock
@@ -363,14 +364,23 @@ class Daemon:
         assert self.ledger is not None
         rows = await self.ledger.list_destinations()
         names = sorted({r.destination for r in rows} | set(self.cfg.destinations))
+        if self.broker.connected:  # a group's queue exists before its first destination
+            for group in self.cfg.groups:
+                route = self.cfg.route_for_group(group)
+                try:
+                    await self.broker.declare_destination(route.routing_key, route.queue)
+                except PacerdError as exc:
+                    log.error("declare_failed", group=group, queue=route.queue, error=str(exc))
         for destination in names:
             if self.broker.connected:
-                try:
-                    await self.broker.declare_destination(
-                        destination, self.cfg.queue_for(destination)
-                    )
+                route = self.cfg.route_for(destination)
+                try:  # a no-op once declared on this connection
+                    await self.broker.declare_destination(route.routing_key, route.queue)
                 except PacerdError as exc:
-                    log.error("declare_failed", destination=destination, error=str(exc))
+                    log.error(
+                        "declare_failed", destination=destination, queue=route.queue,
+                        error=str(exc),
+                    )  # fmt: skip
             if destination not in self._admissions:
                 admission = DestinationAdmission(
                     ledger=self.ledger,
