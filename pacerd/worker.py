@@ -1,8 +1,8 @@
 """The worker side of the protocol: a small library for Python workers.
 
 Owns what a worker process does with an offer (docs/protocol.md, "Messages"): consume
-``pacerd.ready.<destination>`` with a bounded prefetch, decode the envelope and
-validate it against ``schemas/ready.schema.json``, optionally ask
+``pacerd.ready.<destination>`` or a group's shared queue with a bounded prefetch,
+decode the envelope and validate it against ``schemas/ready.schema.json``, optionally ask
 ``pacerd.is_current`` before the costly call, run the registered handler, turn
 what it did into an outcome (return → ok with the returned mapping as
 ``detail``; ``Refused`` → refused; ``Retry`` or any other exception → retry;

@@ -188,6 +188,14 @@ async def test_queues_are_declared_once_per_broker_connection(db_dsn: str, amqp_
             assert await queue_depth(amqp_url, f"pacerd.ready.{later}") == 0
             assert await queue_depth(amqp_url, f"pacerd.ready.{prefix}-d") is None
 
+            # named like the group but outside its match: it would share the
+            # group's routing key, so it is not admitted
+            await schedule_many(db_dsn, group, 1, prefix=group)
+            await wait_passes(daemon, lambda: count, 3)
+            assert group not in daemon._admissions
+            assert await queue_depth(amqp_url, f"pacerd.ready.{group}") == 0
+            assert daemon.broker.declarations == 3
+
             # a new connection declares each queue again, once
             cut = await anyio.to_thread.run_sync(
                 close_broker_connections, f"pacerd {daemon.instance}"
