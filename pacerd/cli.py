@@ -327,6 +327,10 @@ def _check_config(cfg: Config, path: str | None, args: argparse.Namespace) -> in
                 "database": cfg.redacted_dsn(),
                 "broker": cfg.redacted_broker_url(),
                 "destinations": {name: cfg.queue_for(name) for name in sorted(cfg.destinations)},
+                "groups": {
+                    name: {"match": group.match, "queue": cfg.route_for_group(name).queue}
+                    for name, group in cfg.groups.items()
+                },
             }
         )
         return EX_OK
@@ -337,8 +341,12 @@ def _check_config(cfg: Config, path: str | None, args: argparse.Namespace) -> in
         f"  pacing:   mode={pacing.mode} tick={pacing.tick_seconds}s "
         f"rate={pacing.initial_rate}/s in [{pacing.min_rate}, {pacing.max_rate}]"
     )
+    for name, group in cfg.groups.items():  # file order: the first match wins
+        print(f"  group {name}: match {group.match!r}, queue {cfg.route_for_group(name).queue}")
     for name in sorted(cfg.destinations):
-        print(f"  destination {name}: queue {cfg.queue_for(name)}")
+        group_name = cfg.group_for(name)
+        in_group = f" (group {group_name})" if group_name else ""
+        print(f"  destination {name}: queue {cfg.queue_for(name)}{in_group}")
     return EX_OK
 
 

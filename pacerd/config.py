@@ -10,12 +10,18 @@ file (a systemd credential, a container secret), so the secret never sits in
 the TOML or the environment. A secret's value never appears in a problem.
 The ``[pacing]`` keys mirror ``pacerd.pacer.PacingParams`` field for field,
 defaults included, so the two cannot drift.
+
+``Config.route_for`` is the one place that says where a destination's ready
+work goes (queue and routing key): its own queue, or its group's shared one
+(the first ``[groups.NAME]`` in file order whose ``match`` glob fits it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import fnmatch
+import functools
 import json
 import os
 import re
@@ -73,6 +79,24 @@ _Resume = Annotated[float, Field(gt=0, le=1)]  # (0, 1]
 _Factor = Annotated[float, Field(ge=1)]
 _Count = Annotated[int, Field(ge=1)]
 _DestinationName = Annotated[str, StringConstraints(pattern=DESTINATION_NAME_PATTERN)]
+READY_QUEUE_PREFIX = "pacerd.ready."
+# What a ``match`` glob may hold: destination-name characters and * ? [ ] !
+_GLOB_CHARACTERS = re.compile(r"[A-Za-z0-9_.:\-*?\[\]!]+")
+
+
+def ready_queue_name(name: str) -> str:
+    """The default ready queue of a destination or a group: ``pacerd.ready.<name>``."""
+    return READY_QUEUE_PREFIX + name
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ReadyRoute:
+    """Where a destination's ready work goes: ``queue``, bound to ``pacerd.ready``
+    with ``routing_key`` (the destination's name, or its group's)."""
+
+    queue: str
+    routing_key: str
+    group: str | None = None
 
 
 def _cross_field(key: str, value: object, rule: str) -> PydanticCustomError:
@@ -173,6 +197,29 @@ class DestinationConfig(_Section):
     ceiling_resume_fraction: _Resume | None = None
 
 
+class GroupConfig(DestinationConfig):
+    """``[groups.NAME]``: every destination whose name fits ``match`` takes these
+    ``[pacing]`` keys as defaults and shares ``queue`` (None: pacerd.ready.<NAME>)."""
+
+    match: str  # an fnmatch glob over destination names, case-sensitive
+
+    @field_validator("match")
+    @classmethod
+    def _glob(cls, value: str) -> str:
+        if not _GLOB_CHARACTERS.fullmatch(value):
+            raise ValueError(
+                'must be a glob such as "tenant-*" made of destination-name characters'
+                " (A-Z a-z 0-9 _ . : -) and * ? [ ] !"
+            )
+        if value.count("[") != value.count("]") or re.search(r"\[!?\]", value):
+            raise ValueError("has an unclosed or empty [...] set")
+        try:
+            re.compile(fnmatch.translate(value))
+        except re.error as exc:
+            raise ValueError(f"is not a valid glob ({exc})") from None
+        return value
+
+
 class LeasesConfig(_Section):
     claim_seconds: _Positive = 30.0
     offer_seconds: _Positive = 300.0
@@ -234,7 +281,28 @@ class Config(_Section):
     reconcile: ReconcileConfig = ReconcileConfig()
     daemon: DaemonConfig = DaemonConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    groups: dict[_DestinationName, GroupConfig] = Field(default_factory=dict)
     destinations: dict[_DestinationName, DestinationConfig] = Field(default_factory=dict)
+
+    @field_validator("groups")
+    @classmethod
+    def _groups_fit_pacing(
+        cls, value: dict[str, GroupConfig], info: ValidationInfo
+    ) -> dict[str, GroupConfig]:
+        pacing = info.data.get("pacing")
+        if pacing is None:  # [pacing] itself is invalid and reported
+            return value
+        problems: list[str] = []
+        for name, group in value.items():
+            try:
+                _overlay(pacing, group)
+            except ValidationError as exc:
+                problems += _problems(exc, prefix=("groups", name))
+        if problems:
+            raise PydanticCustomError(
+                "destination_pacing", "{problems}", {"problems": "\n".join(problems)}
+            )
+        return value
 
     @field_validator("destinations")
     @classmethod
@@ -244,10 +312,33 @@ class Config(_Section):
         pacing = info.data.get("pacing")
         if pacing is None:  # [pacing] itself is invalid and reported
             return value
+        groups: dict[str, GroupConfig] = info.data.get("groups") or {}
         problems: list[str] = []
         for name, overrides in value.items():
+            group = _group_of(tuple((g, c.match) for g, c in groups.items()), name)
+            if group is not None and overrides.queue is not None:
+                problems.append(
+                    _problem(
+                        ("destinations", name, "queue"),
+                        overrides.queue,
+                        f"{name} is in group {group} (match = {groups[group].match!r}) and"
+                        f" shares its queue; set queue in [groups.{group}] instead",
+                        None,
+                    )
+                )
+            if group is None and name in groups:
+                problems.append(
+                    _problem(
+                        ("destinations", name),
+                        _NO_VALUE,
+                        f"is named like group {name} but outside its match"
+                        f" ({groups[name].match!r}): both would use routing key {name!r}",
+                        None,
+                    )
+                )
             try:
-                _overlay(pacing, overrides)
+                base = pacing if group is None else _overlay(pacing, groups[group])
+                _overlay(base, overrides)
             except ValidationError as exc:
                 problems += _problems(exc, prefix=("destinations", name))
         if problems:
@@ -256,15 +347,34 @@ class Config(_Section):
             )
         return value
 
+    def group_for(self, destination: str) -> str | None:
+        """The first group, in file order, whose ``match`` fits ``destination``."""
+        return _group_of(tuple((g, c.match) for g, c in self.groups.items()), destination)
+
     def pacing_for(self, destination: str) -> PacingParams:
-        """``[pacing]`` overlaid with ``[destinations.<destination>]``, if any."""
+        """``[pacing]``, overlaid with the destination's group's keys, then with
+        ``[destinations.<destination>]``, if any."""
+        group = self.group_for(destination)
+        pacing = self.pacing if group is None else _overlay(self.pacing, self.groups[group])
         overrides = self.destinations.get(destination)
-        return (self.pacing if overrides is None else _overlay(self.pacing, overrides)).params()
+        return (pacing if overrides is None else _overlay(pacing, overrides)).params()
+
+    def route_for(self, destination: str) -> ReadyRoute:
+        """Where ``destination``'s ready work is published and consumed."""
+        group = self.group_for(destination)
+        if group is not None:
+            return self.route_for_group(group)
+        overrides = self.destinations.get(destination)
+        own = overrides.queue if overrides is not None else None
+        return ReadyRoute(queue=own or ready_queue_name(destination), routing_key=destination)
+
+    def route_for_group(self, group: str) -> ReadyRoute:
+        """The shared queue of ``[groups.<group>]`` (KeyError if there is none)."""
+        queue = self.groups[group].queue or ready_queue_name(group)
+        return ReadyRoute(queue=queue, routing_key=group, group=group)
 
     def queue_for(self, destination: str) -> str:
-        overrides = self.destinations.get(destination)
-        queue = overrides.queue if overrides is not None else None
-        return queue or f"pacerd.ready.{destination}"
+        return self.route_for(destination).queue
 
     def redacted_dsn(self) -> str:
         return _redact(self.database.dsn)
@@ -290,7 +400,9 @@ _SECTIONS: dict[str, type[_Section]] = {
     "daemon": DaemonConfig,
     "telemetry": TelemetryConfig,
     "destinations": DestinationConfig,
+    "groups": GroupConfig,
 }
+_NAMED_SECTIONS = ("destinations", "groups")  # [section.NAME] tables
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -300,8 +412,14 @@ class ReloadDiff:
 
 
 def _overlay(pacing: PacingConfig, overrides: DestinationConfig) -> PacingConfig:
-    merged = pacing.model_dump() | overrides.model_dump(exclude={"queue"}, exclude_none=True)
-    return PacingConfig.model_validate(merged)
+    keys = overrides.model_dump(exclude={"queue", "match"}, exclude_none=True)
+    return PacingConfig.model_validate(pacing.model_dump() | keys)
+
+
+@functools.lru_cache(maxsize=65536)
+def _group_of(globs: tuple[tuple[str, str], ...], destination: str) -> str | None:
+    """The first ``(group, glob)`` of ``globs`` that fits ``destination``."""
+    return next((g for g, glob in globs if fnmatch.fnmatchcase(destination, glob)), None)
 
 
 def default_config_path(environ: Mapping[str, str] | None = None) -> str:
@@ -362,7 +480,8 @@ def _apply_environ(
         if not var.startswith(ENV_PREFIX) or "__" not in var:
             continue  # PACERD_CONFIG and friends are not overrides
         section, _, rest = var[len(ENV_PREFIX) :].lower().partition("__")
-        name, _, key = rest.rpartition("__") if section == "destinations" else ("", "", rest)
+        named = section in _NAMED_SECTIONS
+        name, _, key = rest.rpartition("__") if named else ("", "", rest)
         loc = (section, name, key) if name else (section, key)
         if section not in _SECTIONS:
             problems.append(
@@ -370,9 +489,10 @@ def _apply_environ(
             )
             continue
         model = _SECTIONS[section]
-        if not key or (section == "destinations") != bool(name):
+        if not key or named != bool(name):
             problems.append(
-                f"{var}: expected PACERD_<SECTION>__<KEY> or PACERD_DESTINATIONS__<NAME>__<KEY>"
+                f"{var}: expected PACERD_<SECTION>__<KEY>, PACERD_DESTINATIONS__<NAME>__<KEY>"
+                " or PACERD_GROUPS__<NAME>__<KEY>"
             )
             continue
         if key not in model.model_fields:
@@ -495,7 +615,10 @@ def _problems(
             )
         elif loc and loc[-1] == "[key]":
             loc, value = loc[:-1], _NO_VALUE
-            why = f"invalid destination name, must match {DESTINATION_NAME_PATTERN}"
+            what = "group" if loc[:1] == ("groups",) else "destination"
+            why = f"invalid {what} name, must match {DESTINATION_NAME_PATTERN}"
+        elif kind == "missing":
+            value, why = _NO_VALUE, "is required"
         elif kind in ("model_type", "dict_type"):
             why = "must be a table"
         else:

@@ -172,11 +172,13 @@ class Daemon:
             publish_timeout_seconds=cfg.broker.publish_timeout_seconds,
             declare_queues=cfg.broker.declare_queues,
             name=f"pacerd {self.instance}",
+            route=lambda destination: self.cfg.route_for(destination).routing_key,
         )
         self.locks = ledger_module.LeaderLocks(
             cfg.database.dsn, instance=self.instance, clock=self.clock
         )
         self._leader_unrecorded: set[str] = set()  # led, `set_leader` not yet written
+        self._shadows: set[str] = set()  # destinations named like a group, not admitted
         self._broker_down_since: float | None = None  # leadership is given up after a while
         self._broker_retry_at = 0.0
         self._broker_backoff = 0.5
@@ -362,15 +364,26 @@ class Daemon:
     async def _supervise_destinations(self, tg: anyio.abc.TaskGroup) -> list[str]:
         assert self.ledger is not None
         rows = await self.ledger.list_destinations()
-        names = sorted({r.destination for r in rows} | set(self.cfg.destinations))
+        names = self._without_shadows(
+            sorted({r.destination for r in rows} | set(self.cfg.destinations))
+        )
+        if self.broker.connected:  # a group's queue exists before its first destination
+            for group in self.cfg.groups:
+                route = self.cfg.route_for_group(group)
+                try:
+                    await self.broker.declare_destination(route.routing_key, route.queue)
+                except PacerdError as exc:
+                    log.error("declare_failed", group=group, queue=route.queue, error=str(exc))
         for destination in names:
             if self.broker.connected:
-                try:
-                    await self.broker.declare_destination(
-                        destination, self.cfg.queue_for(destination)
-                    )
+                route = self.cfg.route_for(destination)
+                try:  # a no-op once declared on this connection
+                    await self.broker.declare_destination(route.routing_key, route.queue)
                 except PacerdError as exc:
-                    log.error("declare_failed", destination=destination, error=str(exc))
+                    log.error(
+                        "declare_failed", destination=destination, queue=route.queue,
+                        error=str(exc),
+                    )  # fmt: skip
             if destination not in self._admissions:
                 admission = DestinationAdmission(
                     ledger=self.ledger,
@@ -385,6 +398,20 @@ class Daemon:
                 tg.start_soon(self._run_admission, admission)
                 log.info("destination_discovered", destination=destination)
         return names
+
+    def _without_shadows(self, names: list[str]) -> list[str]:
+        """``names`` but those named like a group whose ``match`` they do not
+        fit: their routing key would also reach the group's queue, so they
+        are not admitted (logged once)."""
+        shadows = {d for d in names if d in self.cfg.groups and self.cfg.group_for(d) != d}
+        for destination in sorted(shadows - self._shadows):
+            log.error(
+                "destination_not_admitted", destination=destination,
+                reason="named like a group whose match it does not fit",
+                match=self.cfg.groups[destination].match,
+            )  # fmt: skip
+        self._shadows = shadows
+        return [d for d in names if d not in shadows]
 
     async def _run_admission(self, admission: DestinationAdmission) -> None:
         """The admission loop of one destination, on every instance.

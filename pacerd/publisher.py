@@ -27,6 +27,7 @@ from pamqp.commands import Basic
 from pamqp.frame import marshal
 from pamqp.header import ContentHeader
 
+from pacerd.config import ready_queue_name as ready_queue_name  # re-exported: config names queues
 from pacerd.errors import BrokerUnavailable, PublishError, PublishRejected, PublishTimeout
 
 if TYPE_CHECKING:
@@ -40,10 +41,6 @@ READY_EXCHANGE = "pacerd.ready"
 OUTCOMES_EXCHANGE = "pacerd.outcomes"
 OUTCOMES_QUEUE = "pacerd.outcomes"
 INVALID_QUEUE = "pacerd.outcomes.invalid"
-
-
-def ready_queue_name(destination: str) -> str:
-    return f"pacerd.ready.{destination}"
 
 
 def message_id(job_id: str, attempt: int) -> str:
@@ -65,7 +62,10 @@ def ready_body(job: ClaimedJob) -> bytes:
 class Publisher(Protocol):
     """What admission needs from the broker (fakes implement it in tests)."""
 
-    async def declare_destination(self, destination: str, queue: str) -> None: ...
+    async def declare_destination(self, destination: str, queue: str) -> None:
+        """Declares ``queue`` bound with routing key ``destination`` (a
+        destination's name, or its group's)."""
+        ...
 
     async def publish(self, job: ClaimedJob, headers: Mapping[str, str]) -> None:
         """Returns once the broker confirmed the message; raises
@@ -237,8 +237,11 @@ class Broker:
     # The aiormq channel under ``_channel``, looked up once per connection
     # rather than once per message (publishing goes straight to it).
     _underlay: aiormq.abc.AbstractChannel | None = None
-    _declared: set[str] = field(default_factory=set)
+    _declared: set[tuple[str, str]] = field(default_factory=set)  # (queue, routing key)
     on_close: Callable[[], None] | None = None
+    # destination -> routing key (``Config.route_for``); None: the destination itself
+    route: Callable[[str], str] | None = None
+    declarations: int = 0  # queues declared and bound over this Broker's life
 
     @property
     def connected(self) -> bool:
@@ -288,8 +291,9 @@ class Broker:
         await channel.declare_queue(INVALID_QUEUE, durable=True, arguments=self._queue_arguments())
 
     async def declare_destination(self, destination: str, queue: str) -> None:
-        """Declares and binds the destination's ready queue (once per connection)."""
-        if not self.declare_queues or destination in self._declared:
+        """Declares ``queue`` and binds it with routing key ``destination`` (a
+        destination's name, or its group's), once per connection."""
+        if not self.declare_queues or (queue, destination) in self._declared:
             return
         channel = self._require_channel()
         with translate_errors():
@@ -297,7 +301,11 @@ class Broker:
                 queue, durable=True, arguments=self._queue_arguments()
             )
             await declared.bind(READY_EXCHANGE, routing_key=destination)
-        self._declared.add(destination)
+        self._declared.add((queue, destination))
+        self.declarations += 1
+
+    def routing_key(self, destination: str) -> str:
+        return destination if self.route is None else self.route(destination)
 
     def _require_channel(self) -> AbstractChannel:
         if self._channel is None or self._channel.is_closed:
@@ -318,7 +326,7 @@ class Broker:
             result = await underlay.basic_publish(
                 ready_body(job),
                 exchange=READY_EXCHANGE,
-                routing_key=job.destination,
+                routing_key=self.routing_key(job.destination),
                 properties=_properties(job, headers),
                 mandatory=True,
                 timeout=self.publish_timeout_seconds,
@@ -336,6 +344,7 @@ class Broker:
         would raise it); raises nothing but cancellation."""
         if not jobs:
             return []
+        keys = {d: self.routing_key(d) for d in {job.destination for job in jobs}}
         try:
             underlay = await self._require_underlay()
             with translate_errors():
@@ -344,7 +353,7 @@ class Broker:
                     [
                         (
                             READY_EXCHANGE,
-                            job.destination,
+                            keys[job.destination],
                             ready_body(job),
                             _properties(job, job_headers),
                         )

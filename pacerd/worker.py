@@ -1,8 +1,8 @@
 """The worker side of the protocol: a small library for Python workers.
 
 Owns what a worker process does with an offer (docs/protocol.md, "Messages"): consume
-``pacerd.ready.<destination>`` with a bounded prefetch, decode the envelope and
-validate it against ``schemas/ready.schema.json``, optionally ask
+``pacerd.ready.<destination>`` or a group's shared queue with a bounded prefetch,
+decode the envelope and validate it against ``schemas/ready.schema.json``, optionally ask
 ``pacerd.is_current`` before the costly call, run the registered handler, turn
 what it did into an outcome (return → ok with the returned mapping as
 ``detail``; ``Refused`` → refused; ``Retry`` or any other exception → retry;
@@ -44,7 +44,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from pacerd.clock import Clock, SystemClock
-from pacerd.errors import BrokerUnavailable, LedgerError, PacerdError, PublishError
+from pacerd.errors import BrokerUnavailable, ConfigError, LedgerError, PacerdError, PublishError
 from pacerd.models import Outcome, Report
 from pacerd.protocol import (
     Continue,
@@ -92,14 +92,17 @@ H = TypeVar("H", bound=Handler)
 class WorkerApp:
     """The handlers of one worker program, and how its worker runs them.
 
-    ``prefetch`` bounds the unacknowledged offers per destination (so the
+    ``prefetch`` bounds the unacknowledged offers per queue (so the
     handlers running at once); ``handler_timeout_seconds`` is each handler's
     ``job.deadline``, after which it is cancelled and reported ``retry``.
+    ``groups`` names ``[groups.NAME]`` whose shared queues it consumes too (a
+    grouped destination's offers are there; the handler gets ``job.destination``).
     """
 
     def __init__(
         self, *, destinations: Iterable[str] = (), prefetch: int = 16, check_current: bool = True,
         shutdown_grace_seconds: float = 10.0, handler_timeout_seconds: float | None = 240.0,
+        groups: Iterable[str] = (),
     ) -> None:  # fmt: skip
         if prefetch < 1 or shutdown_grace_seconds < 0:
             raise ValueError("prefetch must be >= 1 and shutdown_grace_seconds >= 0")
@@ -109,6 +112,7 @@ class WorkerApp:
         self.shutdown_grace_seconds = shutdown_grace_seconds
         self.handler_timeout_seconds = handler_timeout_seconds
         self._destinations = list(dict.fromkeys(destinations))
+        self.groups = tuple(dict.fromkeys(groups))
         self._handlers: dict[tuple[str | None, str | None], Handler] = {}
 
     @property
@@ -175,7 +179,10 @@ class Worker:
         tracer: trace.Tracer | None = None,
     ) -> None:
         self.app, self.broker_url, self.dsn = app, broker_url, dsn
-        self.queues = dict(queues or {d: ready_queue_name(d) for d in app.destinations})
+        # routing key -> queue (a destination's, or a group's shared one)
+        self.queues = dict(
+            queues or {d: ready_queue_name(d) for d in (*app.destinations, *app.groups)}
+        )
         if not self.queues:
             raise ValueError("the app names no destination to consume")
         self.queue_type, self.declare_queues = queue_type, declare_queues
@@ -196,9 +203,15 @@ class Worker:
         """From ``[database]`` and ``[broker]``; handler deadlines stay inside the offer lease."""
         lease_bound = 0.8 * cfg.leases.offer_seconds
         timeout = app.handler_timeout_seconds
+        unknown = [g for g in app.groups if g not in cfg.groups]
+        if unknown:
+            why = "the worker app consumes this group, but the configuration has no such group"
+            raise ConfigError([f"groups.{g}: {why}" for g in unknown])
+        routes = [cfg.route_for(d) for d in app.destinations]
+        routes += [cfg.route_for_group(g) for g in app.groups]
         return cls(
             app, broker_url=cfg.broker.url, dsn=cfg.database.dsn,
-            queues={d: cfg.queue_for(d) for d in app.destinations},
+            queues={r.routing_key: r.queue for r in routes},
             queue_type=cfg.broker.queue_type, declare_queues=cfg.broker.declare_queues,
             publish_timeout_seconds=cfg.broker.publish_timeout_seconds,
             handler_timeout_seconds=lease_bound if timeout is None else min(timeout, lease_bound),

@@ -264,8 +264,8 @@ def test_unknown_env_key_or_section(tmp_path: Path) -> None:
     assert problems(None, tmp_path, environ) == [
         "broker.queue_tipe = 'classic' (from PACERD_BROKER__QUEUE_TIPE): "
         "unknown key, did you mean `queue_type`?",
-        "PACERD_DESTINATIONS__MIN_RATE: expected PACERD_<SECTION>__<KEY> or "
-        "PACERD_DESTINATIONS__<NAME>__<KEY>",
+        "PACERD_DESTINATIONS__MIN_RATE: expected PACERD_<SECTION>__<KEY>, "
+        "PACERD_DESTINATIONS__<NAME>__<KEY> or PACERD_GROUPS__<NAME>__<KEY>",
         "pacng.tick_seconds = '1' (from PACERD_PACNG__TICK_SECONDS): "
         "unknown section, did you mean `pacing`?",
     ]
