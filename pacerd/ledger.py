@@ -427,6 +427,12 @@ class Ledger:
         with translate_errors():
             return await retry_transient("apply_reports", lambda: self._apply_reports(reports))
 
+    async def lock_reported(self, conn: Conn, job_ids: Sequence[str]) -> None:
+        """Locks the named jobs, then their destinations, in the lock order, in
+        ``conn``'s transaction: reports applied one statement each then wait
+        for no lock midway."""
+        await conn.fetch(self._sql("lock_reported"), list(job_ids))
+
     async def _apply_reports(self, reports: Sequence[Report]) -> list[str]:
         sql = self._sql("apply_reports")
         async with self.pool.acquire() as conn:
@@ -438,8 +444,7 @@ class Ledger:
                     raise
             results: list[str] = []
             async with conn.transaction():
-                # one report per statement: take the batch's locks up front, in order
-                await conn.fetch(self._sql("lock_reported"), [r.job_id for r in reports])
+                await self.lock_reported(conn, [r.job_id for r in reports])
                 for report in reports:
                     try:
                         async with conn.transaction():
