@@ -14,10 +14,17 @@
 
 -- name: claim_due
 -- Claims up to $3 due jobs of destination $1, oldest first, $2 of them reserved for the live lane; sets the claim lease.
-WITH live AS (
+WITH closed AS (
+    -- paused, or in a Retry-After cool-down: checked here too, so that a tick
+    -- that read the destination open claims nothing once a pause or a
+    -- refusal has committed
+    SELECT 1 FROM pacerd.destinations d, pacerd.control c
+    WHERE d.destination = $1
+      AND (d.paused OR c.paused_all OR d.cooldown_until > coalesce($7::timestamptz, now()))
+), live AS (
     SELECT j.job_id, j.next_attempt_at
     FROM pacerd.jobs j
-    WHERE j.destination = $1 AND j.state = 'scheduled'
+    WHERE j.destination = $1 AND j.state = 'scheduled' AND NOT EXISTS (SELECT 1 FROM closed)
       AND j.next_attempt_at <= coalesce($7::timestamptz, now())
       AND j.next_attempt_at > coalesce($7::timestamptz, now()) - make_interval(secs => $6)
       AND NOT j.ever_offered
@@ -27,7 +34,7 @@ WITH live AS (
 ), backlog AS (
     SELECT j.job_id, j.next_attempt_at
     FROM pacerd.jobs j
-    WHERE j.destination = $1 AND j.state = 'scheduled'
+    WHERE j.destination = $1 AND j.state = 'scheduled' AND NOT EXISTS (SELECT 1 FROM closed)
       AND j.next_attempt_at <= coalesce($7::timestamptz, now())
       AND (j.ever_offered
            OR j.next_attempt_at <= coalesce($7::timestamptz, now()) - make_interval(secs => $6))
