@@ -92,8 +92,11 @@ WITH params AS (
         ever_offered = true,
         lease_expires_at = p.now + make_interval(secs => $3),
         updated_at = p.now
-    FROM unnest($1::text[], $2::int[]) AS c(job_id, attempt), params p, locked l
-    WHERE j.job_id = c.job_id AND j.attempt = c.attempt AND l.job_id = c.job_id
+    FROM unnest($1::text[], $2::int[]) AS c(job_id, attempt), params p
+    -- (an array of the locked ids: taken in full before this scan starts, and
+    -- each job then looked up by primary key)
+    WHERE j.job_id = ANY (ARRAY(SELECT job_id FROM locked))
+      AND j.job_id = c.job_id AND j.attempt = c.attempt
       -- a CASE, so that the plan looks each job up by primary key: a plain
       -- predicate matches the partial in-flight index, whose statistics are
       -- stale in a burst (a scan of every job in flight for each mark)
@@ -120,9 +123,9 @@ WITH params AS (
         lease_expires_at = NULL,
         claimed_by = NULL,
         updated_at = p.now
-    FROM unnest($1::text[], $2::int[]) AS c(job_id, attempt), params p, locked l
-    WHERE j.job_id = c.job_id AND j.attempt = c.attempt AND l.job_id = c.job_id
-      AND j.state = 'claimed'
+    FROM unnest($1::text[], $2::int[]) AS c(job_id, attempt), params p
+    WHERE j.job_id = ANY (ARRAY(SELECT job_id FROM locked))
+      AND j.job_id = c.job_id AND j.attempt = c.attempt AND j.state = 'claimed'
     RETURNING j.job_id, j.attempt
 ), events AS (
     INSERT INTO pacerd.job_events (job_id, attempt, event, at, detail)
