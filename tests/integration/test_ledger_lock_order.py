@@ -3,8 +3,9 @@ daemon's own statements never deadlock each other.
 
 Marks (one per destination, in confirm order), releases and outcome batches
 (from two consumers, in message order, with refusals that also lock the
-destinations' counters) run at once on separate connections, over the same
-jobs, in shuffled orders, for many rounds. PostgreSQL's own count of
+destinations' counters), with a claim and a reconciler pass beside them, run
+at once on separate connections, over the same jobs, in shuffled orders, for
+many rounds. PostgreSQL's own count of
 deadlocks in the test database must stay at zero, and no statement may fail.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from typing import TYPE_CHECKING
 
 import asyncpg
 import pytest
@@ -20,6 +22,9 @@ import structlog
 from pacerd import ledger
 from pacerd.errors import LedgerError
 from pacerd.models import JobRef, Outcome, Report
+
+if TYPE_CHECKING:
+    import datetime as dt
 
 pytestmark = pytest.mark.services
 
@@ -93,7 +98,8 @@ async def test_marks_releases_and_outcome_batches_never_deadlock(db_dsn: str) ->
         list(DESTINATIONS),
         JOBS_PER_DESTINATION,
     )
-    led = await ledger.Ledger.connect(db_dsn, max_size=6)
+    led = await ledger.Ledger.connect(db_dsn, max_size=8)
+    later: dt.datetime = await admin.fetchval("SELECT now() + interval '61 minutes'")
     rng = random.Random(SEED)
     failures: list[str] = []
     try:
@@ -113,12 +119,23 @@ async def test_marks_releases_and_outcome_batches_never_deadlock(db_dsn: str) ->
                 async def report(refs: list[JobRef] = everything) -> None:
                     await led.apply_reports(_reports(rng, refs))
 
+                async def claim() -> None:  # what the releases gave back
+                    await led.claim_due(
+                        rng.choice(DESTINATIONS), live_limit=5, limit=10, claim_seconds=60.0,
+                        epoch=0, live_window_seconds=600.0, instance="test",
+                    )  # fmt: skip
+
+                async def reclaim() -> None:  # a reconciler whose clock is an hour ahead
+                    await led.reclaim_expired(limit=10, now=later)
+
                 results = await asyncio.gather(
                     mark(DESTINATIONS[0]),
                     report(),
+                    claim(),
                     mark(DESTINATIONS[1]),
                     report(),
                     release(),
+                    reclaim(),
                     return_exceptions=True,
                 )
                 for result in results:
