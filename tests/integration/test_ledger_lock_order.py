@@ -197,11 +197,16 @@ async def test_a_deadlock_victim_is_retried_once_and_succeeds(db_dsn: str) -> No
         with structlog.testing.capture_logs() as events:
             mark = asyncio.create_task(led.mark_offered(refs, offer_seconds=60.0))
             marker = await _blocked_by(admin, gate.get_server_pid())  # holds a, waits for b
+            # Next in line for the pool's one connection: the retry waits until
+            # ``holder`` has a and has committed (else the retry could lock a
+            # first, and deadlock with ``holder`` once more).
+            turn = asyncio.ensure_future(led.pool.acquire())
             holding_a = asyncio.create_task(holder.fetch(lock_one, "a"))
             assert await _blocked_by(admin, marker) == holder.get_server_pid()
             await gate.execute("COMMIT")  # the mark takes b, then waits for c: a cycle
             assert [r["job_id"] for r in await holding_a] == ["a"]  # the mark was the victim
             await holder.execute("COMMIT")
+            await led.pool.release(await turn)
             marked = await mark
     finally:
         await led.close()
