@@ -15,10 +15,11 @@ import math
 import re
 from dataclasses import dataclass
 from importlib import resources
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
 import asyncpg
+import structlog
 from asyncpg.pool import PoolConnectionProxy
 
 from pacerd.clock import SystemClock
@@ -36,7 +37,7 @@ from pacerd.roles import RoleNames, grants_sql
 
 if TYPE_CHECKING:
     import datetime as dt
-    from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+    from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 
     from pacerd.clock import Clock
 
@@ -45,6 +46,12 @@ Conn = asyncpg.Connection | PoolConnectionProxy
 MIGRATION_LOCK_KEY = 0x7061636572  # "pacer": serialises concurrent `pacerd migrate` runs
 _MIGRATION_NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
 _UNAVAILABLE_STATES = {"57P01", "57P02", "57P03", "53300", "08000", "08003", "08006", "08001"}
+# A deadlock victim or a serialization failure: PostgreSQL rolled the whole
+# transaction back, so running it again is safe, and usually succeeds.
+_TRANSIENT_STATES = frozenset({"40P01", "40001"})
+
+log = structlog.get_logger("pacerd.ledger")
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +88,20 @@ def translate_errors() -> Iterator[None]:
         raise LedgerError(f"ledger error [{state}]: {exc}") from exc
     except (OSError, asyncpg.InterfaceError, asyncpg.InternalClientError, TimeoutError) as exc:
         raise LedgerUnavailable(f"the ledger cannot be reached: {exc}") from exc
+
+
+async def retry_transient(name: str, attempt: Callable[[], Awaitable[_T]]) -> _T:
+    """Runs one statement or transaction, and once more if PostgreSQL aborted
+    it as a deadlock victim or a serialization failure (a second such
+    failure is raised). Every retry in the ledger goes through here."""
+    try:
+        return await attempt()
+    except asyncpg.PostgresError as exc:
+        state = getattr(exc, "sqlstate", None) or ""
+        if state not in _TRANSIENT_STATES:
+            raise
+        log.warning("ledger_retried", query=name, sqlstate=state, error=str(exc).split("\n")[0])
+    return await attempt()
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
@@ -274,9 +295,14 @@ class Ledger:
         return self.queries[name].sql
 
     async def _fetch(self, name: str, *args: Any) -> list[asyncpg.Record]:
-        with translate_errors():
-            rows: list[asyncpg.Record] = await self.pool.fetch(self._sql(name), *args)
+        sql = self._sql(name)
+
+        async def fetch() -> list[asyncpg.Record]:
+            rows: list[asyncpg.Record] = await self.pool.fetch(sql, *args)
             return rows
+
+        with translate_errors():
+            return await retry_transient(name, fetch)
 
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[Conn]:
@@ -425,26 +451,36 @@ class Ledger:
         undo the others: the batch retries row by row under savepoints."""
         if not reports:
             return []
-        sql = self._sql("apply_reports")
         with translate_errors():
-            async with self.pool.acquire() as conn:
-                try:
-                    async with conn.transaction():
-                        return await _report_batch(conn, sql, reports)
-                except asyncpg.PostgresError as exc:
-                    if not (getattr(exc, "sqlstate", None) or "").startswith("22"):
-                        raise
-                results: list[str] = []
+            return await retry_transient("apply_reports", lambda: self._apply_reports(reports))
+
+    async def lock_reported(self, conn: Conn, job_ids: Sequence[str]) -> None:
+        """Locks the named jobs, then their destinations, in the lock order, in
+        ``conn``'s transaction: reports applied one statement each then wait
+        for no lock midway."""
+        await conn.fetch(self._sql("lock_reported"), list(job_ids))
+
+    async def _apply_reports(self, reports: Sequence[Report]) -> list[str]:
+        sql = self._sql("apply_reports")
+        async with self.pool.acquire() as conn:
+            try:
                 async with conn.transaction():
-                    for report in reports:
-                        try:
-                            async with conn.transaction():
-                                results.extend(await _report_batch(conn, sql, [report]))
-                        except asyncpg.PostgresError as exc:
-                            if not (getattr(exc, "sqlstate", None) or "").startswith("22"):
-                                raise
-                            results.append(f"rejected: {exc}")
-                return results
+                    return await _report_batch(conn, sql, reports)
+            except asyncpg.PostgresError as exc:
+                if not (getattr(exc, "sqlstate", None) or "").startswith("22"):
+                    raise
+            results: list[str] = []
+            async with conn.transaction():
+                await self.lock_reported(conn, [r.job_id for r in reports])
+                for report in reports:
+                    try:
+                        async with conn.transaction():
+                            results.extend(await _report_batch(conn, sql, [report]))
+                    except asyncpg.PostgresError as exc:
+                        if not (getattr(exc, "sqlstate", None) or "").startswith("22"):
+                            raise
+                        results.append(f"rejected: {exc}")
+            return results
 
 
 async def _report_batch(conn: Conn, sql: str, reports: Sequence[Report]) -> list[str]:

@@ -5,13 +5,26 @@
 -- ledger.py loads this file once and has one method per block, same name.
 -- Time arrives as a parameter: coalesce($n::timestamptz, now()), so tests can
 -- pin it and production lets the database decide.
+--
+-- Lock order: a statement that waits for locks on several rows takes them in
+-- one order, jobs by job_id first, then destinations by name (a locking CTE,
+-- ORDER BY ... FOR UPDATE), so that two statements never wait on each other
+-- in a cycle (40P01). The claim and the reconciler use SKIP LOCKED: they
+-- never wait, whatever order they lock in.
 
 -- name: claim_due
 -- Claims up to $3 due jobs of destination $1, oldest first, $2 of them reserved for the live lane; sets the claim lease.
-WITH live AS (
+WITH closed AS (
+    -- paused, or in a Retry-After cool-down: checked here too, so that a tick
+    -- that read the destination open claims nothing once a pause or a
+    -- refusal has committed
+    SELECT 1 FROM pacerd.destinations d, pacerd.control c
+    WHERE d.destination = $1
+      AND (d.paused OR c.paused_all OR d.cooldown_until > coalesce($7::timestamptz, now()))
+), live AS (
     SELECT j.job_id, j.next_attempt_at
     FROM pacerd.jobs j
-    WHERE j.destination = $1 AND j.state = 'scheduled'
+    WHERE j.destination = $1 AND j.state = 'scheduled' AND NOT EXISTS (SELECT 1 FROM closed)
       AND j.next_attempt_at <= coalesce($7::timestamptz, now())
       AND j.next_attempt_at > coalesce($7::timestamptz, now()) - make_interval(secs => $6)
       AND NOT j.ever_offered
@@ -21,7 +34,7 @@ WITH live AS (
 ), backlog AS (
     SELECT j.job_id, j.next_attempt_at
     FROM pacerd.jobs j
-    WHERE j.destination = $1 AND j.state = 'scheduled'
+    WHERE j.destination = $1 AND j.state = 'scheduled' AND NOT EXISTS (SELECT 1 FROM closed)
       AND j.next_attempt_at <= coalesce($7::timestamptz, now())
       AND (j.ever_offered
            OR j.next_attempt_at <= coalesce($7::timestamptz, now()) - make_interval(secs => $6))
@@ -67,6 +80,12 @@ ORDER BY next_attempt_at, job_id;
 -- Marks confirmed publishes offered (fenced by state and attempt) and sets the offer lease.
 WITH params AS (
     SELECT coalesce($4::timestamptz, now()) AS now
+), locked AS MATERIALIZED (
+    -- in job_id order, whatever order the confirms came in (see the header)
+    SELECT j.job_id FROM pacerd.jobs j
+    WHERE j.job_id = ANY ($1::text[])
+    ORDER BY j.job_id
+    FOR UPDATE OF j
 ), offered AS (
     UPDATE pacerd.jobs j SET
         state = 'offered',
@@ -74,7 +93,10 @@ WITH params AS (
         lease_expires_at = p.now + make_interval(secs => $3),
         updated_at = p.now
     FROM unnest($1::text[], $2::int[]) AS c(job_id, attempt), params p
-    WHERE j.job_id = c.job_id AND j.attempt = c.attempt
+    -- (an array of the locked ids: taken in full before this scan starts, and
+    -- each job then looked up by primary key)
+    WHERE j.job_id = ANY (ARRAY(SELECT job_id FROM locked))
+      AND j.job_id = c.job_id AND j.attempt = c.attempt
       -- a CASE, so that the plan looks each job up by primary key: a plain
       -- predicate matches the partial in-flight index, whose statistics are
       -- stale in a burst (a scan of every job in flight for each mark)
@@ -90,6 +112,11 @@ SELECT job_id, attempt FROM offered;
 -- Returns unpublished claims to scheduled without spending an attempt (fenced by state and attempt).
 WITH params AS (
     SELECT coalesce($4::timestamptz, now()) AS now
+), locked AS MATERIALIZED (
+    SELECT j.job_id FROM pacerd.jobs j
+    WHERE j.job_id = ANY ($1::text[])
+    ORDER BY j.job_id
+    FOR UPDATE OF j
 ), released AS (
     UPDATE pacerd.jobs j SET
         state = 'scheduled',
@@ -97,7 +124,8 @@ WITH params AS (
         claimed_by = NULL,
         updated_at = p.now
     FROM unnest($1::text[], $2::int[]) AS c(job_id, attempt), params p
-    WHERE j.job_id = c.job_id AND j.attempt = c.attempt AND j.state = 'claimed'
+    WHERE j.job_id = ANY (ARRAY(SELECT job_id FROM locked))
+      AND j.job_id = c.job_id AND j.attempt = c.attempt AND j.state = 'claimed'
     RETURNING j.job_id, j.attempt
 ), events AS (
     INSERT INTO pacerd.job_events (job_id, attempt, event, at, detail)
@@ -237,3 +265,18 @@ FROM unnest(pacerd.report_many(job_id => $1::text[], attempt => $2::int[], outco
                                detail => $6::jsonb[], cursor => $7::jsonb[]))
      WITH ORDINALITY AS r(result, n)
 ORDER BY r.n;
+
+-- name: lock_reported
+-- Locks the jobs $1 names (job_id order), then their destinations (name order), before reports applied one by one.
+WITH jobs AS MATERIALIZED (
+    SELECT j.job_id, j.destination FROM pacerd.jobs j
+    WHERE j.job_id = ANY ($1::text[])
+    ORDER BY j.job_id
+    FOR UPDATE OF j
+)
+SELECT count(*) AS n FROM (
+    SELECT d.destination FROM pacerd.destinations d
+    WHERE d.destination IN (SELECT jobs.destination FROM jobs)
+    ORDER BY d.destination
+    FOR UPDATE OF d
+) s;

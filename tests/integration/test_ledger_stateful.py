@@ -123,6 +123,8 @@ class LedgerMachine(RuleBasedStateMachine):
         self.model: dict[str, ModelJob] = {}
         self.counts: dict[str, dict[str, int]] = {}
         self.now = harness.wall_start + dt.timedelta(days=2)  # V, the daemon's pinned clock
+        # Per destination, bounds on the Retry-After cool-down's end: no claim before it.
+        self.cooldown: dict[str, tuple[dt.datetime, dt.datetime]] = {}
         self.serial = 0
 
     # -- helpers ---------------------------------------------------------------
@@ -134,7 +136,15 @@ class LedgerMachine(RuleBasedStateMachine):
         per = self.counts.setdefault(destination, {"accepted": 0, "refused": 0, "retry_after": 0})
         per[key] += 1
 
+    def _closed(self, destination: str) -> bool:
+        """Whether a Retry-After still closes the destination at V."""
+        lo, hi = self.cooldown.get(destination, (self.now, self.now))
+        assert lo > self.now or hi <= self.now, "ambiguous cool-down"
+        return lo > self.now
+
     def _due(self, destination: str) -> list[tuple[str, ModelJob]]:
+        if self._closed(destination):
+            return []
         return [
             (job_id, m)
             for job_id, m in self.model.items()
@@ -422,6 +432,11 @@ class LedgerMachine(RuleBasedStateMachine):
                 self._count(m.destination, "retry_after")
                 m.next_lo = max(m.next_lo, before - SLACK + secs(retry_after_s))
                 m.next_hi = max(m.next_hi, after + SLACK + secs(retry_after_s))
+                lo, hi = self.cooldown.get(m.destination, (before - SLACK, before - SLACK))
+                self.cooldown[m.destination] = (
+                    max(lo, before - SLACK + secs(retry_after_s)),
+                    max(hi, after + SLACK + secs(retry_after_s)),
+                )
             m.events.append("refused")
         elif outcome == "retry":
             m.failures += 1
