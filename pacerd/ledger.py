@@ -457,8 +457,9 @@ class Ledger:
     async def lock_reported(self, conn: Conn, job_ids: Sequence[str]) -> None:
         """Locks the named jobs, then their destinations, in the lock order, in
         ``conn``'s transaction: reports applied one statement each then wait
-        for no lock midway."""
-        await conn.fetch(self._sql("lock_reported"), list(job_ids))
+        for no lock midway. An id PostgreSQL cannot hold as text (a NUL) names
+        no job; its report is rejected on its own."""
+        await conn.fetch(self._sql("lock_reported"), [j for j in job_ids if "\x00" not in j])
 
     async def _apply_reports(self, reports: Sequence[Report]) -> list[str]:
         sql = self._sql("apply_reports")
