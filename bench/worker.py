@@ -144,7 +144,7 @@ async def cycle(
     finally:
         common.stop_process(daemon)
         for proc in procs:
-            common.stop_process(proc)  # type: ignore[arg-type]
+            common.stop_process(proc)
         await conn.close()
 
 
@@ -190,7 +190,8 @@ async def measure(args: argparse.Namespace) -> str:
     ]  # fmt: skip
     labels = {
         "noop": "pacerd + bench no-op worker (1 process, batched)",
-        "library": f"pacerd + pacerd worker --app ({args.workers} processes, prefetch {args.prefetch})",
+        "library": f"pacerd + pacerd worker --app ({args.workers} processes, "
+        f"prefetch {args.prefetch})",
     }
     for kind, label in labels.items():
         if not runs[kind]:

@@ -122,6 +122,7 @@ class WorkerApp:
         self.handler_timeout_seconds = handler_timeout_seconds
         self._destinations = list(dict.fromkeys(destinations))
         self._handlers: dict[tuple[str | None, str | None], Handler] = {}
+        self._resolved: dict[tuple[str, str], Handler | None] = {}  # handler_for's answers
 
     @property
     def destinations(self) -> tuple[str, ...]:
@@ -136,6 +137,7 @@ class WorkerApp:
             if (kind, destination) in self._handlers:
                 raise ValueError(f"a handler is already registered for {(kind, destination)}")
             self._handlers[(kind, destination)] = fn
+            self._resolved.clear()
             if destination is not None and destination not in self._destinations:
                 self._destinations.append(destination)
             return fn
@@ -144,10 +146,16 @@ class WorkerApp:
 
     def handler_for(self, kind: str, destination: str) -> Handler | None:
         """The most specific handler: kind and destination, kind, destination, any."""
+        try:
+            return self._resolved[kind, destination]
+        except KeyError:
+            pass
+        found = None
         for key in ((kind, destination), (kind, None), (None, destination), (None, None)):
-            if (fn := self._handlers.get(key)) is not None:
-                return fn
-        return None
+            if (found := self._handlers.get(key)) is not None:
+                break
+        self._resolved[kind, destination] = found
+        return found
 
 
 @dataclass(slots=True)
@@ -237,6 +245,7 @@ class _Session:
         """Writes what is ready, as it becomes ready, until cancelled."""
         while True:
             await self._wake.wait()
+            await asyncio.sleep(0)  # the handlers that are ready finish first: one write for all
             self._wake.clear()
             if self.outbox:
                 await self._write_outcomes()
@@ -539,6 +548,11 @@ class Worker:
             )
         except InvalidEnvelope as exc:
             return self._invalid(destination, body, exc, message_id, headers, content_type)
+        if isinstance(self.tracer, trace.NoOpTracer):  # no spans: the offer's context goes on
+            if not await self._is_current(job):
+                log.info("offer_not_current", job_id=job.job_id, attempt=job.attempt)
+                return None
+            return self._outcome_message(await self._run_handler(job), _trace_headers(headers))
         attributes: dict[str, str | int] = {
             "messaging.system": "rabbitmq", "messaging.operation.type": "process",
             "messaging.destination.name": self.queues[destination],
@@ -556,7 +570,7 @@ class Worker:
                 return None
             report = await self._run_handler(job)
             span.set_attribute("pacerd.outcome", str(report.outcome))
-            return self._outcome_message(report)
+            return self._outcome_message(report, dict(inject_traceparent({})))
 
     async def _run_handler(self, job: Job) -> Report:
         handler = self.app.handler_for(job.kind, job.destination)
@@ -565,7 +579,9 @@ class Worker:
             return Report(job_id=job.job_id, attempt=job.attempt, outcome=Outcome.FAIL, error=error)
         timeout = self.handler_timeout_seconds
         if timeout is not None:
-            job = dataclasses.replace(job, deadline=self.clock.monotonic() + timeout)
+            # the Job was just decoded, nobody else holds it yet: set it as
+            # dataclasses.replace would, without copying every field
+            object.__setattr__(job, "deadline", self.clock.monotonic() + timeout)
         result: object = None
         raised: Exception | None = None
         try:
@@ -586,7 +602,7 @@ class Worker:
             )
         return to_report(job.job_id, job.attempt, result=result, raised=raised)
 
-    def _outcome_message(self, report: Report) -> Outgoing:
+    def _outcome_message(self, report: Report, headers: dict[str, Any]) -> Outgoing:
         try:
             body = outcome_body(report)
         except (TypeError, ValueError) as exc:  # the work is done: keep the ok, drop the detail
@@ -595,7 +611,7 @@ class Worker:
         properties = aiormq.spec.Basic.Properties(
             content_type="application/json", delivery_mode=2,
             message_id=message_id(report.job_id, report.attempt), correlation_id=report.job_id,
-            headers=dict(inject_traceparent({})),
+            headers=headers,
         )  # fmt: skip
         if self.outcomes_exchange:
             return Outgoing(self.outcomes_exchange, "", body, properties, str(report.outcome))
@@ -618,7 +634,7 @@ class Worker:
             report = Report(
                 job_id=exc.job_id, attempt=exc.attempt, outcome=Outcome.FAIL, error=str(exc)
             )
-            return self._outcome_message(report)
+            return self._outcome_message(report, _trace_headers(headers))
         parked_headers: dict[str, Any] = dict(headers or {})
         parked_headers["x-pacerd-invalid-reason"] = str(exc)[:1000]
         parked_headers["x-pacerd-source-queue"] = self.queues[destination]
@@ -648,6 +664,13 @@ class Worker:
         except LedgerError as exc:
             log.warning("is_current_unavailable", error=str(exc))
             return True
+
+
+def _trace_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The offer's W3C trace context, for its outcome when the worker makes no span."""
+    if not headers:
+        return {}
+    return {k: headers[k] for k in ("traceparent", "tracestate") if k in headers}
 
 
 async def _wait_any(*events: anyio.Event) -> None:
@@ -685,6 +708,8 @@ def main(cfg: Config, *, app_ref: str) -> int:
         f"{cfg.telemetry.service_name}-worker", cfg.telemetry.log_level,
         cfg.telemetry.log_format, set_global=True,
     )  # fmt: skip
+    if not telemetry.span_exporters:  # spans nobody would see: none made, the context passed on
+        worker.tracer = trace.NoOpTracer()
     try:
         return anyio.run(_serve, worker, backend_options={"use_uvloop": True})
     except KeyboardInterrupt:
