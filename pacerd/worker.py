@@ -347,8 +347,10 @@ class Worker:
         outcomes_exchange: str = OUTCOMES_EXCHANGE,
         clock: Clock | None = None,
         tracer: trace.Tracer | None = None,
+        connection_name: str = "pacerd-worker",
     ) -> None:
         self.app, self.broker_url, self.dsn = app, broker_url, dsn
+        self.connection_name = connection_name  # as the broker lists the connection
         self.queues = dict(queues or {d: ready_queue_name(d) for d in app.destinations})
         if not self.queues:
             raise ValueError("the app names no destination to consume")
@@ -429,7 +431,10 @@ class Worker:
     async def _session(self, task_status: TaskStatus[None]) -> None:
         await self._declare()
         with broker_errors():
-            connection = await aio_pika.connect(self.broker_url, timeout=10)
+            connection = await aio_pika.connect(
+                self.broker_url, timeout=10,
+                client_properties={"connection_name": self.connection_name},
+            )  # fmt: skip
         self._lost = lost = anyio.Event()
         connection.close_callbacks.add(lambda *_: lost.set())
         self._connection = connection
