@@ -17,7 +17,11 @@ Each repeat, back to back on one database:
   reference) publishes an ``ok`` outcome for each, the daemon applies them;
 * **pacerd, worker library**: the same, with ``--workers`` processes of
   ``pacerd worker --app noop_app:app`` (``bench/noop_app.py``: a no-op
-  handler, ``--prefetch``, ``check_current=False``) — what users run.
+  handler, ``--prefetch``, ``check_current=False``) — what users run;
+* with ``--node-workers K``, **pacerd, Node.js example**: K processes of
+  ``examples/node-worker/worker.js``, each job one HTTP call to a model
+  upstream (``pacerd.testing.upstream``, unlimited capacity, no latency) run
+  by this process.
 
 Pacing is effectively unlimited (``initial_rate = max_rate`` = ``--rate``,
 default 20,000/s, far above what this path carries: admission's cap on
@@ -45,8 +49,10 @@ from pathlib import Path
 import asyncpg
 
 from bench import common, dispatch, peer
+from pacerd.testing.upstream import CapacitySchedule, ModelUpstream, UpstreamParams
 
 DB = "pacerd_bench_worker"
+NODE_WORKER = common.ROOT / "examples" / "node-worker" / "worker.js"
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,19 +97,54 @@ async def wait_consumers(count: int, procs: list[subprocess.Popen[bytes]]) -> No
         await asyncio.sleep(0.2)
 
 
+def start_node_workers(count: int, prefetch: int, upstream: str) -> list[subprocess.Popen[bytes]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PACERD_", "OTEL_"))}
+    env |= {"AMQP_URL": common.AMQP_URL, "DESTINATION": common.DESTINATION}
+    env |= {"UPSTREAM_URL": upstream, "PREFETCH": str(prefetch)}
+    return [
+        subprocess.Popen(
+            ["node", str(NODE_WORKER)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for _ in range(count)
+    ]
+
+
 async def cycle(
-    dsn: str, *, n: int, rate: float, tick: float, workers: int, prefetch: int
+    dsn: str, *, n: int, rate: float, tick: float, kind: str, workers: int, prefetch: int
 ) -> CycleRun:
-    """One daemon run over N freshly seeded jobs, with ``workers`` library
-    worker processes (0: the bench's batched no-op worker instead)."""
+    """One daemon run over N freshly seeded jobs, with ``workers`` worker
+    processes of ``kind``: ``library`` (``pacerd worker --app``), ``noop``
+    (the bench's batched no-op worker, one process) or ``node`` (the Node.js
+    example, calling a model upstream in this process for every job)."""
+    if kind == "node":
+        params = UpstreamParams(schedule=CapacitySchedule.parse("0:10000000"))
+        async with ModelUpstream(params) as upstream:
+            return await _cycle(
+                dsn, n=n, rate=rate, tick=tick, kind=kind, workers=workers, prefetch=prefetch,
+                upstream=upstream.url,
+            )  # fmt: skip
+    return await _cycle(
+        dsn, n=n, rate=rate, tick=tick, kind=kind, workers=workers, prefetch=prefetch
+    )
+
+
+async def _cycle(
+    dsn: str, *, n: int, rate: float, tick: float, kind: str, workers: int, prefetch: int,
+    upstream: str = "",
+) -> CycleRun:  # fmt: skip
     conn = await asyncpg.connect(dsn)
     await conn.execute("TRUNCATE pacerd.jobs, pacerd.job_events")
     await conn.execute("UPDATE pacerd.destinations SET leader = NULL, pacer_state = NULL")
     await common.seed(dsn, n)
     await conn.execute("SELECT pacerd.pause($1)", common.DESTINATION)
     await common.reset_queues()
-    if workers:
+    if kind == "library":
         procs: list[subprocess.Popen[bytes]] = start_library_workers(dsn, workers, prefetch)
+    elif kind == "node":
+        procs = start_node_workers(workers, prefetch, upstream)
     else:
         procs = [common.start_worker("report", prefetch=prefetch)]  # type: ignore[list-item]
     daemon = dispatch.start_daemon(
@@ -152,7 +193,7 @@ async def cycle(
 async def measure(args: argparse.Namespace) -> str:
     dsn = await common.fresh_ledger(DB)
     pgq: list[dict[str, float]] = []
-    runs: dict[str, list[CycleRun]] = {"noop": [], "library": []}
+    runs: dict[str, list[CycleRun]] = {"noop": [], "library": [], "node": []}
     try:
         rate = args.rate
         print(f"  rate {rate:,.0f}/s", flush=True)
@@ -162,15 +203,18 @@ async def measure(args: argparse.Namespace) -> str:
             print(
                 f"  [{i + 1}] PgQueuer: {peer_rate:,.0f} jobs/s (load {peer_load:.2f})", flush=True
             )
-            for kind, workers in (("noop", 0), ("library", args.workers)):
-                if kind == "noop" and args.skip_noop:
+            kinds = [("noop", 1), ("library", args.workers), ("node", args.node_workers)]
+            for kind, workers in kinds:
+                if (kind == "noop" and args.skip_noop) or not workers:
                     continue
                 run = await cycle(
-                    dsn, n=args.jobs, rate=rate, tick=args.tick, workers=workers,
+                    dsn, n=args.jobs, rate=rate, tick=args.tick, kind=kind, workers=workers,
                     prefetch=args.prefetch,
                 )  # fmt: skip
                 runs[kind].append(run)
-                label = "bench no-op worker" if kind == "noop" else "pacerd worker --app"
+                label = {"noop": "bench no-op worker", "library": "pacerd worker --app"}.get(
+                    kind, "Node.js example"
+                )
                 print(
                     f"  [{i + 1}] {label}: {run.jobs_per_second:,.0f} jobs/s "
                     f"({run.jobs_per_second / peer_rate:.2f} of PgQueuer), worker CPU "
@@ -190,6 +234,8 @@ async def measure(args: argparse.Namespace) -> str:
         "noop": "pacerd + bench no-op worker (1 process, batched)",
         "library": f"pacerd + pacerd worker --app ({args.workers} processes, "
         f"prefetch {args.prefetch})",
+        "node": f"pacerd + examples/node-worker ({args.node_workers} processes, prefetch "
+        f"{args.prefetch}, an HTTP call to a model upstream per job)",
     }
     for kind, label in labels.items():
         if not runs[kind]:
@@ -225,6 +271,10 @@ def main() -> None:
     )
     parser.add_argument("--tick", type=float, default=1.0, help="pacerd tick_seconds")
     parser.add_argument("--skip-noop", action="store_true", help="no bench no-op worker runs")
+    parser.add_argument(
+        "--node-workers", type=int, default=0,
+        help="also run the Node.js example (npm ci in examples/node-worker first)",
+    )  # fmt: skip
     parser.add_argument("--peer-python", default=peer.PEER_PYTHON, help="python of the peer's venv")
     args = parser.parse_args()
     if not os.path.exists(args.peer_python):

@@ -195,6 +195,21 @@ class _Pending:
     out: Outgoing
     backoff: float = 0.2
     timed_out: bool = False
+    batch: _Batch | None = None  # the write it went out in
+
+
+@dataclass(slots=True, eq=False)
+class _Batch:
+    """One write of outcomes, until the broker has answered for each."""
+
+    unanswered: int
+    expiry: asyncio.TimerHandle | None = None
+
+
+# Writes of outcomes whose confirms are awaited at once: while they are, the
+# outcomes that become ready gather for the next write, so the batches grow
+# with the broker's round trip (a busier broker, bigger batches).
+BATCHES_IN_FLIGHT = 2
 
 
 class _Session:
@@ -226,6 +241,7 @@ class _Session:
         self.draining = False
         self.written: asyncio.Future[Any] | None = None  # the last acknowledgement write
         self._wake, self._idle = asyncio.Event(), asyncio.Event()
+        self._in_flight = 0  # writes of outcomes not yet answered for
         self._write_queue: asyncio.Queue[ChannelFrame] = consume.write_queue  # type: ignore[attr-defined]
         self._loop = asyncio.get_running_loop()
 
@@ -247,7 +263,7 @@ class _Session:
             await self._wake.wait()
             await asyncio.sleep(0)  # the handlers that are ready finish first: one write for all
             self._wake.clear()
-            if self.outbox:
+            if self.outbox and self._in_flight < BATCHES_IN_FLIGHT:
                 await self._write_outcomes()
             if self.settled or self.requeue:
                 await self._write_acks()
@@ -257,10 +273,13 @@ class _Session:
         batch, self.outbox = self.outbox, []
         with broker_errors():
             confirms = await write_batch(self.publish, [p.out[:4] for p in batch])
+        written = _Batch(len(batch))
+        self._in_flight += 1
         for pending, confirm in zip(batch, confirms, strict=True):
+            pending.batch = written
             confirm.add_done_callback(partial(self._confirmed, pending))
         timeout = self.worker.publish_timeout_seconds
-        self._loop.call_later(timeout, self._expire, batch, confirms)
+        written.expiry = self._loop.call_later(timeout, self._expire, batch, confirms)
 
     def _expire(self, batch: list[_Pending], confirms: list[asyncio.Future[Any]]) -> None:
         for pending, confirm in zip(batch, confirms, strict=True):
@@ -269,6 +288,15 @@ class _Session:
                 confirm.cancel()
 
     def _confirmed(self, pending: _Pending, confirm: asyncio.Future[Any]) -> None:
+        written = pending.batch
+        if written is not None:
+            written.unanswered -= 1
+            if not written.unanswered:  # the broker answered for the whole write
+                self._in_flight -= 1
+                if written.expiry is not None:
+                    written.expiry.cancel()
+                if self.outbox:
+                    self._wake.set()
         error = _outcome(confirm, timed_out=pending.timed_out)
         if error is None:
             self.settle(pending.tag, pending.out.outcome)
