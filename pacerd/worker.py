@@ -12,7 +12,10 @@ written in batches as they are ready (one socket write for many), their
 confirms pipelined, and the deliveries whose outcomes are confirmed are
 acknowledged together, never one before its own outcome's confirm and never
 held back by a slower handler; the handlers running at once are bounded by the
-prefetch. On stop it
+prefetch. Each offer gets a consumer span continuing the trace of its
+``traceparent``; with no span exporter configured (``pacerd worker`` under
+``OTEL_TRACES_EXPORTER=none``, or a ``Worker`` given a ``NoOpTracer``) no span
+is made and the offer's ``traceparent`` is passed on to its outcome. On stop it
 cancels its consumers, gives in-flight handlers a grace period and abandons the
 rest unacknowledged: the broker returns them to the queue. It must not write
 the ledger: outcomes reach pacerd only as messages (``pacerd.is_current`` is
@@ -37,7 +40,7 @@ import importlib
 import math
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
@@ -88,8 +91,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Continue", "Fail", "InvalidEnvelope", "Job", "Outgoing", "Refused", "Retry", "Worker",
-    "WorkerApp", "WorkerStats", "decode_ready", "load_app", "load_schema", "main",
-    "outcome_body", "to_report",
+    "WorkerApp", "WorkerStats", "acknowledgements", "decode_ready", "load_app", "load_schema",
+    "main", "outcome_body", "to_report",
 ]  # fmt: skip
 
 log = structlog.get_logger("pacerd.worker")
@@ -212,6 +215,21 @@ class _Batch:
 BATCHES_IN_FLIGHT = 2
 
 
+def acknowledgements(
+    settled: Sequence[int], unsettled: Collection[int]
+) -> tuple[int | None, list[int]]:
+    """The acks that settle ``settled`` (delivery tags whose outcomes are
+    confirmed) while ``unsettled`` (every other tag delivered on the channel
+    and neither acknowledged nor requeued) stay unacknowledged: one
+    ``multiple`` ack up to the highest settled tag below the lowest unsettled
+    one (None when there is none) — it acknowledges every lower tag, and those
+    are all settled or acknowledged already — and an individual ack for each
+    settled tag above it."""
+    lowest = min(unsettled, default=math.inf)
+    below = [t for t in settled if t < lowest]
+    return (max(below) if below else None), [t for t in settled if t > lowest]
+
+
 class _Session:
     """The acknowledgement bookkeeping of one connection.
 
@@ -321,11 +339,10 @@ class _Session:
         tags = [tag for tag, _ in settled]
         unsettled.difference_update(tags)
         frames: list[Any] = [Basic.Nack(delivery_tag=t, requeue=True) for t in requeue]
-        lowest = min(unsettled) if unsettled else math.inf
-        below = [t for t in tags if t < lowest]
-        if below:
-            frames.append(Basic.Ack(delivery_tag=max(below), multiple=True))
-        frames += [Basic.Ack(delivery_tag=t) for t in tags if t > lowest]
+        up_to, each = acknowledgements(tags, unsettled)
+        if up_to is not None:
+            frames.append(Basic.Ack(delivery_tag=up_to, multiple=True))
+        frames += [Basic.Ack(delivery_tag=t) for t in each]
         number = self.consume.number
         self.written = written = self._loop.create_future()
         with broker_errors():
