@@ -370,8 +370,8 @@ class _Session:
         while self.settled or self.requeue or self._wake.is_set():
             self._idle.clear()
             await self._idle.wait()
-        if self.written is not None:
-            await self.written
+        if self.written is not None:  # (cancelled if the connection closes first)
+            await asyncio.wait([self.written])
 
 
 class Worker:
@@ -539,7 +539,7 @@ class Worker:
         with anyio.move_on_after(self.app.shutdown_grace_seconds):
             await self.wait_until(lambda s: s.inflight == 0)
         self.stats.abandoned += self.stats.inflight
-        with anyio.move_on_after(5), contextlib.suppress(PacerdError, asyncio.CancelledError):
+        with anyio.move_on_after(5), contextlib.suppress(PacerdError):
             await session.flushed()
 
     async def _on_delivery(
