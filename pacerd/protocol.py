@@ -18,6 +18,7 @@ from importlib import resources
 from typing import Any
 
 import jsonschema
+import jsonschema_rs
 
 from pacerd.clock import Clock, SystemClock
 from pacerd.models import Outcome, Report
@@ -35,6 +36,10 @@ def load_schema(name: str) -> dict[str, Any]:
 
 
 _READY = jsonschema.Draft202012Validator(load_schema("ready"))
+# The same schema compiled by jsonschema-rs: ~1 µs per valid message where
+# jsonschema takes ~90 µs. It only lets a valid message through at once;
+# jsonschema still decides the rest, and says why.
+_READY_FAST = jsonschema_rs.validator_for(load_schema("ready"))
 
 
 class Refused(Exception):
@@ -141,7 +146,11 @@ def decode_ready(
             job_id = raw_id
         if type(raw_attempt) is int and 1 <= raw_attempt <= _MAX_ATTEMPT:
             attempt = raw_attempt
-    errors = sorted(_READY.iter_errors(doc), key=jsonschema.exceptions.relevance)
+    errors = (
+        []
+        if _READY_FAST.is_valid(doc)
+        else sorted(_READY.iter_errors(doc), key=jsonschema.exceptions.relevance)
+    )
     try:
         if errors:
             raise ValueError("; ".join(_describe(e) for e in errors[:5]))

@@ -7,7 +7,15 @@ decode the envelope and validate it against ``schemas/ready.schema.json``, optio
 what it did into an outcome (return → ok with the returned mapping as
 ``detail``; ``Refused`` → refused; ``Retry`` or any other exception → retry;
 ``Fail`` → fail; ``Continue`` → continue), publish the outcome with publisher
-confirms, and acknowledge the delivery only after that confirm. On stop it
+confirms, and acknowledge the delivery only after that confirm. Outcomes are
+written in batches as they are ready (one socket write for many), their
+confirms pipelined, and the deliveries whose outcomes are confirmed are
+acknowledged together, never one before its own outcome's confirm and never
+held back by a slower handler; the handlers running at once are bounded by the
+prefetch. Each offer gets a consumer span continuing the trace of its
+``traceparent``; with no span exporter configured (``pacerd worker`` under
+``OTEL_TRACES_EXPORTER=none``, or a ``Worker`` given a ``NoOpTracer``) no span
+is made and the offer's ``traceparent`` is passed on to its outcome. On stop it
 cancels its consumers, gives in-flight handlers a grace period and abandons the
 rest unacknowledged: the broker returns them to the queue. It must not write
 the ledger: outcomes reach pacerd only as messages (``pacerd.is_current`` is
@@ -25,26 +33,30 @@ its one, read-only, query). A malformed envelope never stops it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import importlib
 import math
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import aio_pika
 import aiormq
 import anyio
 import structlog
+from aiormq.abc import ChannelFrame
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
+from pamqp.commands import Basic
+from pamqp.frame import marshal
 
 from pacerd.clock import Clock, SystemClock
-from pacerd.errors import BrokerUnavailable, ConfigError, LedgerError, PacerdError, PublishError
+from pacerd.errors import BrokerUnavailable, ConfigError, LedgerError, PacerdError
 from pacerd.models import Outcome, Report
 from pacerd.protocol import (
     Continue,
@@ -58,26 +70,29 @@ from pacerd.protocol import (
     outcome_body,
     to_report,
 )
-from pacerd.publisher import INVALID_QUEUE, OUTCOMES_EXCHANGE, Broker, message_id, ready_queue_name
+from pacerd.publisher import (
+    INVALID_QUEUE,
+    OUTCOMES_EXCHANGE,
+    Broker,
+    _outcome,
+    message_id,
+    ready_queue_name,
+    write_batch,
+)
 from pacerd.publisher import translate_errors as broker_errors
 from pacerd.telemetry import extract_context, inject_traceparent, setup_telemetry
 
 if TYPE_CHECKING:
-    from aio_pika.abc import (
-        AbstractConnection,
-        AbstractExchange,
-        AbstractIncomingMessage,
-        AbstractQueue,
-    )
-    from anyio.abc import TaskGroup, TaskStatus
-    from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+    from aio_pika.abc import AbstractConnection
+    from anyio.abc import TaskStatus
 
     from pacerd.client import Client
     from pacerd.config import Config
 
 __all__ = [
-    "Continue", "Fail", "InvalidEnvelope", "Job", "Refused", "Retry", "Worker", "WorkerApp",
-    "WorkerStats", "decode_ready", "load_app", "load_schema", "main", "outcome_body", "to_report",
+    "Continue", "Fail", "InvalidEnvelope", "Job", "Outgoing", "Refused", "Retry", "Worker",
+    "WorkerApp", "WorkerStats", "acknowledgements", "decode_ready", "load_app", "load_schema",
+    "main", "outcome_body", "to_report",
 ]  # fmt: skip
 
 log = structlog.get_logger("pacerd.worker")
@@ -114,6 +129,7 @@ class WorkerApp:
         self._destinations = list(dict.fromkeys(destinations))
         self.groups = tuple(dict.fromkeys(groups))
         self._handlers: dict[tuple[str | None, str | None], Handler] = {}
+        self._resolved: dict[tuple[str, str], Handler | None] = {}  # handler_for's answers
 
     @property
     def destinations(self) -> tuple[str, ...]:
@@ -128,6 +144,7 @@ class WorkerApp:
             if (kind, destination) in self._handlers:
                 raise ValueError(f"a handler is already registered for {(kind, destination)}")
             self._handlers[(kind, destination)] = fn
+            self._resolved.clear()
             if destination is not None and destination not in self._destinations:
                 self._destinations.append(destination)
             return fn
@@ -136,10 +153,16 @@ class WorkerApp:
 
     def handler_for(self, kind: str, destination: str) -> Handler | None:
         """The most specific handler: kind and destination, kind, destination, any."""
+        try:
+            return self._resolved[kind, destination]
+        except KeyError:
+            pass
+        found = None
         for key in ((kind, destination), (kind, None), (None, destination), (None, None)):
-            if (fn := self._handlers.get(key)) is not None:
-                return fn
-        return None
+            if (found := self._handlers.get(key)) is not None:
+                break
+        self._resolved[kind, destination] = found
+        return found
 
 
 @dataclass(slots=True)
@@ -147,7 +170,7 @@ class WorkerStats:
     """Counters of one ``Worker`` (tests and logs read them)."""
 
     received: int = 0
-    inflight: int = 0
+    inflight: int = 0  # received, not yet acknowledged (handler running or outcome unconfirmed)
     outcomes: dict[str, int] = field(default_factory=dict)  # reported and confirmed, by outcome
     skipped: int = 0  # not current: acknowledged without running the handler
     parked: int = 0  # unreportable envelopes moved to pacerd.outcomes.invalid
@@ -157,6 +180,202 @@ class WorkerStats:
     @property
     def reported(self) -> int:
         return sum(self.outcomes.values())
+
+
+class Outgoing(NamedTuple):
+    """What one offer's processing publishes: its outcome (``outcome`` set)
+    or, for an envelope that names no attempt, the envelope itself parked in
+    ``pacerd.outcomes.invalid`` (``outcome`` None)."""
+
+    exchange: str
+    routing_key: str
+    body: bytes
+    properties: aiormq.spec.Basic.Properties
+    outcome: str | None
+
+
+@dataclass(slots=True, eq=False)
+class _Pending:
+    """One outcome on its way: the delivery it settles, and its retries."""
+
+    tag: int
+    out: Outgoing
+    backoff: float = 0.2
+    timed_out: bool = False
+    batch: _Batch | None = None  # the write it went out in
+
+
+@dataclass(slots=True, eq=False)
+class _Batch:
+    """One write of outcomes, until the broker has answered for each."""
+
+    unanswered: int
+    expiry: asyncio.TimerHandle | None = None
+
+
+# Writes of outcomes whose confirms are awaited at once: while they are, the
+# outcomes that become ready gather for the next write, so the batches grow
+# with the broker's round trip (a busier broker, bigger batches).
+BATCHES_IN_FLIGHT = 2
+
+
+def acknowledgements(
+    settled: Sequence[int], unsettled: Collection[int]
+) -> tuple[int | None, list[int]]:
+    """The acks that settle ``settled`` (delivery tags whose outcomes are
+    confirmed) while ``unsettled`` (every other tag delivered on the channel
+    and neither acknowledged nor requeued) stay unacknowledged: one
+    ``multiple`` ack up to the highest settled tag below the lowest unsettled
+    one (None when there is none) — it acknowledges every lower tag, and those
+    are all settled or acknowledged already — and an individual ack for each
+    settled tag above it."""
+    lowest = min(unsettled, default=math.inf)
+    below = [t for t in settled if t < lowest]
+    return (max(below) if below else None), [t for t in settled if t > lowest]
+
+
+class _Session:
+    """The acknowledgement bookkeeping of one connection.
+
+    Outcomes are written in batches (``write_batch``: one socket write for
+    all those ready), their confirms pipelined; each delivery is settled only
+    once its outcome is confirmed, and settled deliveries are acknowledged in
+    one write: one ``multiple`` ack up to the lowest delivery still
+    unsettled, and an individual ack for each settled one above it, so that
+    neither an unconfirmed outcome is ever acknowledged nor a slow handler
+    holds back the acknowledgement of the others."""
+
+    def __init__(
+        self,
+        worker: Worker,
+        consume: aiormq.abc.AbstractChannel,
+        publish: aiormq.abc.AbstractChannel,
+        lost: anyio.Event,
+    ) -> None:
+        self.worker, self.consume, self.publish, self.lost = worker, consume, publish, lost
+        self.unsettled: set[int] = set()  # delivered, neither acknowledged nor requeued
+        # to acknowledge, with what to count once they are: the outcome, None
+        # for an envelope parked, "" for an offer skipped
+        self.settled: list[tuple[int, str | None]] = []
+        self.requeue: list[int] = []  # to hand back (received while draining)
+        self.outbox: list[_Pending] = []
+        self.handling: set[asyncio.Task[Any]] = set()
+        self.draining = False
+        self.written: asyncio.Future[Any] | None = None  # the last acknowledgement write
+        self._wake, self._idle = asyncio.Event(), asyncio.Event()
+        self._in_flight = 0  # writes of outcomes not yet answered for
+        self._write_queue: asyncio.Queue[ChannelFrame] = consume.write_queue  # type: ignore[attr-defined]
+        self._loop = asyncio.get_running_loop()
+
+    def send(self, pending: _Pending) -> None:
+        self.outbox.append(pending)
+        self._wake.set()
+
+    def settle(self, tag: int, counted: str | None) -> None:
+        self.settled.append((tag, counted))
+        self._wake.set()
+
+    def hand_back(self, tag: int) -> None:
+        self.requeue.append(tag)
+        self._wake.set()
+
+    async def pump(self) -> None:
+        """Writes what is ready, as it becomes ready, until cancelled."""
+        while True:
+            await self._wake.wait()
+            await asyncio.sleep(0)  # the handlers that are ready finish first: one write for all
+            self._wake.clear()
+            if self.outbox and self._in_flight < BATCHES_IN_FLIGHT:
+                await self._write_outcomes()
+            if self.settled or self.requeue:
+                await self._write_acks()
+            self._idle.set()
+
+    async def _write_outcomes(self) -> None:
+        batch, self.outbox = self.outbox, []
+        with broker_errors():
+            confirms = await write_batch(self.publish, [p.out[:4] for p in batch])
+        written = _Batch(len(batch))
+        self._in_flight += 1
+        for pending, confirm in zip(batch, confirms, strict=True):
+            pending.batch = written
+            confirm.add_done_callback(partial(self._confirmed, pending))
+        timeout = self.worker.publish_timeout_seconds
+        written.expiry = self._loop.call_later(timeout, self._expire, batch, confirms)
+
+    def _expire(self, batch: list[_Pending], confirms: list[asyncio.Future[Any]]) -> None:
+        for pending, confirm in zip(batch, confirms, strict=True):
+            if not confirm.done():
+                pending.timed_out = True
+                confirm.cancel()
+
+    def _confirmed(self, pending: _Pending, confirm: asyncio.Future[Any]) -> None:
+        written = pending.batch
+        if written is not None:
+            written.unanswered -= 1
+            if not written.unanswered:  # the broker answered for the whole write
+                self._in_flight -= 1
+                if written.expiry is not None:
+                    written.expiry.cancel()
+                if self.outbox:
+                    self._wake.set()
+        error = _outcome(confirm, timed_out=pending.timed_out)
+        if error is None:
+            self.settle(pending.tag, pending.out.outcome)
+            return
+        elif isinstance(error, BrokerUnavailable):
+            if not self.lost.is_set():
+                log.warning("outcome_publish_interrupted", error=str(error))
+                self.lost.set()
+            return
+        else:  # nacked, returned or timed out: published again after a backoff
+            self.worker.stats.publish_failures += 1
+            log.warning("outcome_publish_failed", error=str(error), retry_in=pending.backoff)
+            retry = _Pending(pending.tag, pending.out, min(pending.backoff * 2, 5.0))
+            self._loop.call_later(pending.backoff, self.send, retry)
+        self.worker._notify()
+
+    async def _write_acks(self) -> None:
+        requeue, self.requeue = self.requeue, []
+        settled, self.settled = self.settled, []
+        unsettled = self.unsettled
+        unsettled.difference_update(requeue)
+        tags = [tag for tag, _ in settled]
+        unsettled.difference_update(tags)
+        frames: list[Any] = [Basic.Nack(delivery_tag=t, requeue=True) for t in requeue]
+        up_to, each = acknowledgements(tags, unsettled)
+        if up_to is not None:
+            frames.append(Basic.Ack(delivery_tag=up_to, multiple=True))
+        frames += [Basic.Ack(delivery_tag=t) for t in each]
+        number = self.consume.number
+        self.written = written = self._loop.create_future()
+        with broker_errors():
+            await self._write_queue.put(
+                ChannelFrame(
+                    payload=b"".join(marshal(f, number) for f in frames),
+                    should_close=False,
+                    drain_future=written,
+                )
+            )
+        stats = self.worker.stats
+        stats.inflight -= len(settled)
+        outcomes = stats.outcomes
+        for _, counted in settled:
+            if counted is None:
+                stats.parked += 1
+            elif counted:
+                outcomes[counted] = outcomes.get(counted, 0) + 1
+            else:
+                stats.skipped += 1
+        self.worker._notify()
+
+    async def flushed(self) -> None:
+        """Returns once every acknowledgement decided so far is on the wire."""
+        while self.settled or self.requeue or self._wake.is_set():
+            self._idle.clear()
+            await self._idle.wait()
+        if self.written is not None:  # (cancelled if the connection closes first)
+            await asyncio.wait([self.written])
 
 
 class Worker:
@@ -177,8 +396,10 @@ class Worker:
         outcomes_exchange: str = OUTCOMES_EXCHANGE,
         clock: Clock | None = None,
         tracer: trace.Tracer | None = None,
+        connection_name: str = "pacerd-worker",
     ) -> None:
         self.app, self.broker_url, self.dsn = app, broker_url, dsn
+        self.connection_name = connection_name  # as the broker lists the connection
         # routing key -> queue (a destination's, or a group's shared one)
         self.queues = dict(
             queues or {d: ready_queue_name(d) for d in (*app.destinations, *app.groups)}
@@ -191,8 +412,9 @@ class Worker:
         self.outcomes_exchange, self.clock = outcomes_exchange, clock or SystemClock()
         self.stats = WorkerStats()
         self.tracer = tracer or trace.get_tracer("pacerd.worker")
-        self._stop, self._changed, self._lost = anyio.Event(), anyio.Event(), anyio.Event()
-        self._draining, self._started = False, False
+        self._stop, self._lost = anyio.Event(), anyio.Event()
+        self._changed: anyio.Event | None = None  # only while someone waits
+        self._started = False
         self._client: Client | None = None
         self._connection: AbstractConnection | None = None  # the current session's
         self._client_lock, self._client_retry_at = anyio.Lock(), -math.inf
@@ -228,11 +450,14 @@ class Worker:
     async def wait_until(self, predicate: Callable[[WorkerStats], bool]) -> None:
         """Returns once ``predicate(self.stats)`` holds (wrap it in ``fail_after``)."""
         while not predicate(self.stats):
+            if self._changed is None:
+                self._changed = anyio.Event()
             await self._changed.wait()
 
     def _notify(self) -> None:
-        changed, self._changed = self._changed, anyio.Event()
-        changed.set()
+        changed, self._changed = self._changed, None
+        if changed is not None:
+            changed.set()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Consumes until ``request_stop()``; ``started()`` once it first consumes."""
@@ -276,126 +501,155 @@ class Worker:
     async def _session(self, task_status: TaskStatus[None]) -> None:
         await self._declare()
         with broker_errors():
-            connection = await aio_pika.connect(self.broker_url, timeout=10)
+            connection = await aio_pika.connect(
+                self.broker_url, timeout=10,
+                client_properties={"connection_name": self.connection_name},
+            )  # fmt: skip
         self._lost = lost = anyio.Event()
         connection.close_callbacks.add(lambda *_: lost.set())
         self._connection = connection
-        send, receive = anyio.create_memory_object_stream[tuple["AbstractIncomingMessage", str]](
-            math.inf
-        )
+        session: _Session | None = None
         try:
             with broker_errors():
                 outcomes = await connection.channel(publisher_confirms=True, on_return_raises=True)
                 channel = await connection.channel(publisher_confirms=False)
-                await channel.set_qos(prefetch_count=self.app.prefetch)
-                exchange = outcomes.default_exchange
-                if self.outcomes_exchange:
-                    exchange = await outcomes.get_exchange(self.outcomes_exchange, ensure=True)
+                for each in (outcomes, channel):
+                    each.close_callbacks.add(lambda *_: lost.set())
+                publish = await outcomes.get_underlay_channel()
+                consume = await channel.get_underlay_channel()
+                if (
+                    self.outcomes_exchange
+                ):  # the daemon's topology is there (passive: no right needed)
+                    await publish.exchange_declare(self.outcomes_exchange, passive=True)
+                await consume.basic_qos(prefetch_count=self.app.prefetch)
+                session = _Session(self, consume, publish, lost)
                 consumers = []
                 for destination, name in self.queues.items():
-                    queue = await channel.declare_queue(name, passive=True)
-                    tag = await queue.consume(partial(self._deliver, send, destination))
-                    consumers.append((queue, tag))
-            self._draining = False
+                    await consume.queue_declare(name, passive=True)
+                    ok = await consume.basic_consume(
+                        name, partial(self._on_delivery, session, destination)
+                    )
+                    consumers.append(ok.consumer_tag or "")
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._dispatch, receive, tg, exchange, outcomes.default_exchange)
+                tg.start_soon(self._pump, session)
                 if not self._started:
                     self._started = True
                     task_status.started()
                 log.info("worker_started", queues=sorted(self.queues.values()))
                 await _wait_any(self._stop, lost)
                 if not lost.is_set():
-                    await self._drain(consumers)
-                tg.cancel_scope.cancel()  # what is left is abandoned, unacknowledged
+                    await self._drain(session, consumers)
+                tg.cancel_scope.cancel()
             if not self._stop.is_set():
                 raise BrokerUnavailable("the broker connection was lost")
             log.info("worker_stopped", abandoned=self.stats.abandoned, **self.stats.outcomes)
         finally:
-            send.close()
-            receive.close()
+            if session is not None:
+                for task in session.handling:  # abandoned: unacknowledged, redelivered
+                    task.cancel()
+                self.stats.inflight = 0
             with anyio.CancelScope(shield=True), anyio.move_on_after(5):
                 await connection.close()  # whatever was not acknowledged goes back to the queue
 
-    async def _drain(self, consumers: list[tuple[AbstractQueue, str]]) -> None:
+    async def _pump(self, session: _Session) -> None:
+        try:
+            await session.pump()
+        except PacerdError as exc:  # the broker went away: unacknowledged, redelivered
+            log.warning("delivery_interrupted", error=str(exc))
+            session.lost.set()
+
+    async def _drain(self, session: _Session, consumers: list[str]) -> None:
         """Stop consuming; in-flight handlers get the grace period."""
-        self._draining = True
+        session.draining = True
         log.info("worker_stopping", inflight=self.stats.inflight)
         with anyio.move_on_after(5), contextlib.suppress(PacerdError), broker_errors():
-            for queue, tag in consumers:
-                await queue.cancel(tag)  # if it fails, closing the connection cancels them
+            for tag in consumers:  # if it fails, closing the connection cancels them
+                await session.consume.basic_cancel(tag)
         with anyio.move_on_after(self.app.shutdown_grace_seconds):
             await self.wait_until(lambda s: s.inflight == 0)
         self.stats.abandoned += self.stats.inflight
+        with anyio.move_on_after(5), contextlib.suppress(PacerdError):
+            await session.flushed()
 
-    async def _deliver(
-        self,
-        send: MemoryObjectSendStream[tuple[AbstractIncomingMessage, str]],
-        destination: str,
-        message: AbstractIncomingMessage,
+    async def _on_delivery(
+        self, session: _Session, destination: str, message: aiormq.abc.DeliveredMessage
     ) -> None:
-        with contextlib.suppress(anyio.ClosedResourceError):  # stopping: it returns to the queue
-            send.send_nowait((message, destination))
-
-    async def _dispatch(
-        self,
-        receive: MemoryObjectReceiveStream[tuple[AbstractIncomingMessage, str]],
-        tg: TaskGroup,
-        exchange: AbstractExchange,
-        default_exchange: AbstractExchange,
-    ) -> None:
-        async for message, destination in receive:
-            if self._draining:  # buffered, never started: hand it back at once
-                with anyio.move_on_after(5), contextlib.suppress(PacerdError), broker_errors():
-                    await message.nack(requeue=True)  # else it returns when the connection closes
-                continue
-            self.stats.received += 1
-            self.stats.inflight += 1
-            self._notify()
-            tg.start_soon(self._process, message, destination, exchange, default_exchange)
-
-    async def _process(
-        self,
-        message: AbstractIncomingMessage,
-        destination: str,
-        exchange: AbstractExchange,
-        default_exchange: AbstractExchange,
-    ) -> None:
+        """One delivery, in the task the driver runs it in: the handler, then
+        the outcome handed to the session (which acknowledges it once confirmed)."""
+        tag = message.delivery_tag or 0
+        session.unsettled.add(tag)  # before any await: in delivery order
+        if session.draining:  # delivered after the stop, never started: hand it back at once
+            session.hand_back(tag)
+            return
+        stats = self.stats
+        stats.received += 1
+        stats.inflight += 1
+        self._notify()
+        task = asyncio.current_task()
+        if task is not None:
+            session.handling.add(task)
+        properties = message.header.properties
         try:
-            try:
-                job = decode_ready(
-                    message.body, clock=self.clock, message_id=message.message_id,
-                    correlation_id=message.correlation_id,
-                )  # fmt: skip
-            except InvalidEnvelope as exc:
-                await self._invalid(message, destination, exc, exchange, default_exchange)
-                return
-            headers = dict(message.headers or {})
-            attributes: dict[str, str | int] = {
-                "messaging.system": "rabbitmq", "messaging.operation.type": "process",
-                "messaging.destination.name": self.queues[destination],
-                "messaging.message.id": message.message_id or "",
-                "messaging.message.conversation_id": job.job_id, "pacerd.job_id": job.job_id,
-                "pacerd.attempt": job.attempt, "pacerd.kind": job.kind,
-                "pacerd.destination": job.destination,
-            }  # fmt: skip
-            with self.tracer.start_as_current_span(
-                SPAN_PROCESS, context=extract_context(headers), kind=SpanKind.CONSUMER,
-                attributes=attributes,
-            ) as span:  # fmt: skip
-                if not await self._is_current(job):
-                    log.info("offer_not_current", job_id=job.job_id, attempt=job.attempt)
-                    await self._ack(message)
-                    self.stats.skipped += 1
-                    return
-                report = await self._run_handler(job)
-                span.set_attribute("pacerd.outcome", str(report.outcome))
-                await self._report(report, message, exchange)
-        except PacerdError as exc:  # the broker went away: unacknowledged, redelivered
-            log.warning("delivery_interrupted", error=str(exc), message_id=message.message_id)
-            self._lost.set()
+            out = await self.process(
+                destination, message.body, message_id=properties.message_id,
+                correlation_id=properties.correlation_id, headers=properties.headers,
+                content_type=properties.content_type,
+            )  # fmt: skip
+        except Exception as exc:  # a bug of ours: a new session, and the offer is redelivered
+            log.error("delivery_failed", message_id=properties.message_id, exc_info=exc)
+            session.lost.set()
+            return
         finally:
-            self.stats.inflight -= 1
-            self._notify()
+            if task is not None:
+                session.handling.discard(task)
+        if out is None:
+            session.settle(tag, "")
+        else:
+            session.send(_Pending(tag, out))
+
+    async def process(
+        self,
+        destination: str,
+        body: bytes,
+        *,
+        message_id: str | None = None,
+        correlation_id: str | None = None,
+        headers: Mapping[str, Any] | None = None,
+        content_type: str | None = "application/json",
+    ) -> Outgoing | None:
+        """One offer, from its body and properties to what to publish for it:
+        its outcome, or the envelope parked; None when the offer is no longer
+        current (acknowledged without running the handler). No I/O but the
+        handler's and ``pacerd.is_current``."""
+        try:
+            job = decode_ready(
+                body, clock=self.clock, message_id=message_id, correlation_id=correlation_id
+            )
+        except InvalidEnvelope as exc:
+            return self._invalid(destination, body, exc, message_id, headers, content_type)
+        if isinstance(self.tracer, trace.NoOpTracer):  # no spans: the offer's context goes on
+            if not await self._is_current(job):
+                log.info("offer_not_current", job_id=job.job_id, attempt=job.attempt)
+                return None
+            return self._outcome_message(await self._run_handler(job), _trace_headers(headers))
+        attributes: dict[str, str | int] = {
+            "messaging.system": "rabbitmq", "messaging.operation.type": "process",
+            "messaging.destination.name": self.queues[destination],
+            "messaging.message.id": message_id or "",
+            "messaging.message.conversation_id": job.job_id, "pacerd.job_id": job.job_id,
+            "pacerd.attempt": job.attempt, "pacerd.kind": job.kind,
+            "pacerd.destination": job.destination,
+        }  # fmt: skip
+        with self.tracer.start_as_current_span(
+            SPAN_PROCESS, context=extract_context(dict(headers or {})), kind=SpanKind.CONSUMER,
+            attributes=attributes,
+        ) as span:  # fmt: skip
+            if not await self._is_current(job):
+                log.info("offer_not_current", job_id=job.job_id, attempt=job.attempt)
+                return None
+            report = await self._run_handler(job)
+            span.set_attribute("pacerd.outcome", str(report.outcome))
+            return self._outcome_message(report, dict(inject_traceparent({})))
 
     async def _run_handler(self, job: Job) -> Report:
         handler = self.app.handler_for(job.kind, job.destination)
@@ -404,77 +658,53 @@ class Worker:
             return Report(job_id=job.job_id, attempt=job.attempt, outcome=Outcome.FAIL, error=error)
         timeout = self.handler_timeout_seconds
         if timeout is not None:
-            job = dataclasses.replace(job, deadline=self.clock.monotonic() + timeout)
+            # the Job was just decoded, nobody else holds it yet: set it as
+            # dataclasses.replace would, without copying every field
+            object.__setattr__(job, "deadline", self.clock.monotonic() + timeout)
         result: object = None
         raised: Exception | None = None
-        with anyio.move_on_after(timeout) as scope:
-            try:
-                result = await handler(job)
-            except (Refused, Retry, Fail, Continue) as exc:
-                raised = exc
-            except Exception as exc:  # any other error is the handler's: reported as retry
-                log.warning("handler_error", job_id=job.job_id, attempt=job.attempt, exc_info=exc)
-                raised = exc
-        if scope.cancelled_caught:
+        try:
+            async with asyncio.timeout(timeout):
+                try:
+                    result = await handler(job)
+                except (Refused, Retry, Fail, Continue) as exc:
+                    raised = exc
+                except Exception as exc:  # any other error is the handler's: reported as retry
+                    log.warning(
+                        "handler_error", job_id=job.job_id, attempt=job.attempt, exc_info=exc
+                    )
+                    raised = exc
+        except TimeoutError:  # the deadline cancelled the handler
             raised = Retry(
                 f"the handler ran past its deadline ({timeout} s); to checkpoint a long job,"
                 " raise Continue(cursor) before job.deadline"
             )
         return to_report(job.job_id, job.attempt, result=result, raised=raised)
 
-    async def _report(
-        self, report: Report, message: AbstractIncomingMessage, exchange: AbstractExchange
-    ) -> None:
-        """Publishes the outcome and, once the broker confirmed it, acknowledges the offer."""
+    def _outcome_message(self, report: Report, headers: dict[str, Any]) -> Outgoing:
         try:
             body = outcome_body(report)
         except (TypeError, ValueError) as exc:  # the work is done: keep the ok, drop the detail
             detail = {"detail_error": f"the handler's result is not JSON: {exc}"}
             body = outcome_body(dataclasses.replace(report, detail=detail))
-        outcome = aio_pika.Message(
-            body, content_type="application/json", delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        properties = aiormq.spec.Basic.Properties(
+            content_type="application/json", delivery_mode=2,
             message_id=message_id(report.job_id, report.attempt), correlation_id=report.job_id,
-            headers=dict(inject_traceparent({})),
+            headers=headers,
         )  # fmt: skip
-        routing_key = "" if self.outcomes_exchange else OUTCOMES_EXCHANGE
-        await self._publish_confirmed(exchange, outcome, routing_key)
-        counts = self.stats.outcomes
-        counts[report.outcome] = counts.get(report.outcome, 0) + 1
-        await self._ack(message)
+        if self.outcomes_exchange:
+            return Outgoing(self.outcomes_exchange, "", body, properties, str(report.outcome))
+        return Outgoing("", OUTCOMES_EXCHANGE, body, properties, str(report.outcome))
 
-    async def _publish_confirmed(
-        self, exchange: AbstractExchange, message: aio_pika.Message, routing_key: str
-    ) -> None:
-        """Until the broker confirms; a nack or a timeout is retried, a lost broker raises."""
-        backoff = 0.2
-        while True:
-            try:
-                with broker_errors():
-                    await exchange.publish(
-                        message, routing_key, mandatory=True, timeout=self.publish_timeout_seconds
-                    )
-                return
-            except BrokerUnavailable:
-                raise
-            except PublishError as exc:
-                self.stats.publish_failures += 1
-                self._notify()
-                log.warning("outcome_publish_failed", error=str(exc), retry_in=backoff)
-                await self.clock.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
-
-    async def _ack(self, message: AbstractIncomingMessage) -> None:
-        with broker_errors():
-            await message.ack()
-
-    async def _invalid(
+    def _invalid(
         self,
-        message: AbstractIncomingMessage,
         destination: str,
+        body: bytes,
         exc: InvalidEnvelope,
-        exchange: AbstractExchange,
-        default_exchange: AbstractExchange,
-    ) -> None:
+        offer_message_id: str | None,
+        headers: Mapping[str, Any] | None,
+        content_type: str | None,
+    ) -> Outgoing:
         """Reports ``fail`` when the envelope names an attempt (in its body or,
         when the body cannot say, in its ``message_id``/``correlation_id``):
         that ends the job, not the worker. Else parks it."""
@@ -483,22 +713,20 @@ class Worker:
             report = Report(
                 job_id=exc.job_id, attempt=exc.attempt, outcome=Outcome.FAIL, error=str(exc)
             )
-            await self._report(report, message, exchange)
-            return
-        headers: dict[str, Any] = dict(message.headers or {})
-        headers["x-pacerd-invalid-reason"] = str(exc)[:1000]
-        headers["x-pacerd-source-queue"] = self.queues[destination]
-        parked = aio_pika.Message(
-            message.body, headers=headers, delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            message_id=message.message_id, content_type=message.content_type,
+            return self._outcome_message(report, _trace_headers(headers))
+        parked_headers: dict[str, Any] = dict(headers or {})
+        parked_headers["x-pacerd-invalid-reason"] = str(exc)[:1000]
+        parked_headers["x-pacerd-source-queue"] = self.queues[destination]
+        properties = aiormq.spec.Basic.Properties(
+            headers=parked_headers, delivery_mode=2, message_id=offer_message_id,
+            content_type=content_type,
         )  # fmt: skip
         if self._configures:
-            await self._publish_confirmed(default_exchange, parked, INVALID_QUEUE)
-        else:  # no right to the default exchange: the daemon parks what is no outcome
-            routing_key = "" if self.outcomes_exchange else OUTCOMES_EXCHANGE
-            await self._publish_confirmed(exchange, parked, routing_key)
-        await self._ack(message)
-        self.stats.parked += 1
+            return Outgoing("", INVALID_QUEUE, body, properties, None)
+        # no right to the default exchange: the daemon parks what is no outcome
+        if self.outcomes_exchange:
+            return Outgoing(self.outcomes_exchange, "", body, properties, None)
+        return Outgoing("", OUTCOMES_EXCHANGE, body, properties, None)
 
     async def _is_current(self, job: Job) -> bool:
         """``pacerd.is_current``; fails open (the check only saves a costly call)."""
@@ -520,6 +748,13 @@ class Worker:
         except LedgerError as exc:
             log.warning("is_current_unavailable", error=str(exc))
             return True
+
+
+def _trace_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The offer's W3C trace context, for its outcome when the worker makes no span."""
+    if not headers:
+        return {}
+    return {k: headers[k] for k in ("traceparent", "tracestate") if k in headers}
 
 
 async def _wait_any(*events: anyio.Event) -> None:
@@ -557,6 +792,8 @@ def main(cfg: Config, *, app_ref: str) -> int:
         f"{cfg.telemetry.service_name}-worker", cfg.telemetry.log_level,
         cfg.telemetry.log_format, set_global=True,
     )  # fmt: skip
+    if not telemetry.span_exporters:  # spans nobody would see: none made, the context passed on
+        worker.tracer = trace.NoOpTracer()
     try:
         return anyio.run(_serve, worker, backend_options={"use_uvloop": True})
     except KeyboardInterrupt:

@@ -1,7 +1,7 @@
 """A ready message whose body cannot be decoded (PostgreSQL stores payloads
 Python's ``json`` cannot read back) ends its job, not the worker: the attempt
-named by the message's properties is reported ``fail`` and the delivery
-acknowledged; only a message that names no attempt anywhere is parked."""
+named by the message's properties is reported ``fail`` (and the delivery
+acknowledged once that is confirmed); only a message that names no attempt anywhere is parked."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pacerd.protocol import (
     parse_outcome,
 )
 from pacerd.publisher import INVALID_QUEUE, OUTCOMES_EXCHANGE, message_id
-from pacerd.worker import Job, Worker, WorkerApp
+from pacerd.worker import Job, Outgoing, Worker, WorkerApp
 
 READY = {
     "job_id": "j-1", "kind": "k", "destination": "llm", "attempt": 3, "revision": 0,
@@ -129,35 +129,22 @@ def test_an_outcome_python_cannot_decode_is_invalid_not_an_error() -> None:
         parse_outcome(doc)
 
 
-# -- the worker: report fail and acknowledge, or park -------------------------------------------
+# -- the worker: report fail, or park -----------------------------------------------------------
 
 
 @dataclass
 class Delivery:
-    """The parts of an ``AbstractIncomingMessage`` the worker reads."""
+    """The parts of a delivery the worker reads."""
 
     body: bytes
     message_id: str | None = None
     correlation_id: str | None = None
     headers: dict[str, Any] = field(default_factory=dict)
     content_type: str | None = "application/json"
-    acked: int = 0
-
-    async def ack(self) -> None:
-        self.acked += 1
 
 
-@dataclass
-class Exchange:
-    """Confirms every publish at once; records what was published where."""
-
-    published: list[tuple[str, Any]] = field(default_factory=list)
-
-    async def publish(self, message: Any, routing_key: str, **_: Any) -> None:
-        self.published.append((routing_key, message))
-
-
-async def process(delivery: Delivery) -> tuple[Worker, list[tuple[str, Any]], list[str]]:
+async def process(delivery: Delivery) -> tuple[Outgoing | None, list[str]]:
+    """What the worker would publish for ``delivery`` (and acknowledge it once confirmed)."""
     app = WorkerApp(destinations=["llm"], check_current=False)
     ran: list[str] = []
 
@@ -166,28 +153,28 @@ async def process(delivery: Delivery) -> tuple[Worker, list[tuple[str, Any]], li
         ran.append(job.job_id)
 
     worker = Worker(app, broker_url="amqp://unused", outcomes_exchange="")
-    outcomes, default = Exchange(), Exchange()
-    message: Any = delivery  # duck-typed stand-ins for the aio-pika objects
-    exchange: Any = outcomes
-    default_exchange: Any = default
-    worker.stats.inflight += 1
-    await worker._process(message, "llm", exchange, default_exchange)
-    assert worker.stats.inflight == 0
-    return worker, outcomes.published + default.published, ran
+    out = await worker.process(
+        "llm", delivery.body, message_id=delivery.message_id,
+        correlation_id=delivery.correlation_id, headers=delivery.headers,
+        content_type=delivery.content_type,
+    )  # fmt: skip
+    return out, ran
 
 
-async def test_the_worker_reports_an_undecodable_offer_fail_and_acknowledges_it() -> None:
+async def test_the_worker_reports_an_undecodable_offer_fail() -> None:
     delivery = Delivery(
         UNDECODABLE["nested too deep"], message_id=message_id("deep", 2), correlation_id="deep"
     )
-    worker, published, ran = await process(delivery)
+    outcome, ran = await process(delivery)
     assert ran == []
-    assert delivery.acked == 1
-    assert worker.stats.outcomes == {"fail": 1}
-    assert worker.stats.parked == 0
-    [(routing_key, outcome)] = published
-    assert routing_key == OUTCOMES_EXCHANGE
-    assert (outcome.message_id, outcome.correlation_id) == ("deep:2", "deep")
+    assert outcome is not None
+    assert (outcome.exchange, outcome.routing_key, outcome.outcome) == (
+        "",
+        OUTCOMES_EXCHANGE,
+        "fail",
+    )
+    properties = outcome.properties
+    assert (properties.message_id, properties.correlation_id) == ("deep:2", "deep")
     report = parse_outcome(outcome.body)
     assert (report.job_id, report.attempt, str(report.outcome)) == ("deep", 2, "fail")
     assert (report.error or "").startswith("body could not be decoded: nested too deep")
@@ -195,24 +182,22 @@ async def test_the_worker_reports_an_undecodable_offer_fail_and_acknowledges_it(
 
 async def test_the_worker_parks_an_undecodable_offer_that_names_no_attempt() -> None:
     delivery = Delivery(UNDECODABLE["nested too deep"], message_id="no attempt here")
-    worker, published, ran = await process(delivery)
+    parked, ran = await process(delivery)
     assert ran == []
-    assert delivery.acked == 1
-    assert worker.stats.outcomes == {}
-    assert worker.stats.parked == 1
-    [(routing_key, parked)] = published
-    assert routing_key == INVALID_QUEUE
+    assert parked is not None
+    assert (parked.exchange, parked.routing_key, parked.outcome) == ("", INVALID_QUEUE, None)
     assert parked.body == delivery.body
-    assert parked.headers["x-pacerd-source-queue"] == "pacerd.ready.llm"
-    assert "nested too deep" in parked.headers["x-pacerd-invalid-reason"]
+    headers = parked.properties.headers or {}
+    assert headers["x-pacerd-source-queue"] == "pacerd.ready.llm"
+    assert "nested too deep" in str(headers["x-pacerd-invalid-reason"])
+    assert parked.properties.message_id == "no attempt here"
 
 
 async def test_the_worker_runs_a_valid_offer_whatever_its_properties_say() -> None:
     delivery = Delivery(body(), message_id="stale:1", correlation_id="stale")
-    worker, published, ran = await process(delivery)
+    outcome, ran = await process(delivery)
     assert ran == ["j-1"]
-    assert delivery.acked == 1
-    assert worker.stats.outcomes == {"ok": 1}
-    [(_, outcome)] = published
+    assert outcome is not None
+    assert outcome.outcome == "ok"
     report = parse_outcome(outcome.body)
     assert (report.job_id, report.attempt, str(report.outcome)) == ("j-1", 3, "ok")

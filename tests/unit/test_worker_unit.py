@@ -8,6 +8,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pacerd.clock import ManualClock
 from pacerd.config import Config
@@ -21,6 +23,7 @@ from pacerd.worker import (
     Retry,
     Worker,
     WorkerApp,
+    acknowledgements,
     decode_ready,
     load_app,
     main,
@@ -237,3 +240,22 @@ def test_main_refuses_a_bad_app_reference(capsys: pytest.CaptureFixture[str]) ->
 
 
 empty_app = WorkerApp()
+
+
+@settings(max_examples=300, deadline=None)
+@given(delivered=st.integers(1, 40), data=st.data())
+def test_acknowledgements_cover_exactly_the_settled_deliveries(
+    delivered: int, data: st.DataObject
+) -> None:
+    """Whatever settled first, the acks the worker writes (one ``multiple`` up
+    to the lowest unsettled delivery, individual ones above it) acknowledge
+    every settled delivery and no other."""
+    tags = range(1, delivered + 1)
+    settled = data.draw(st.lists(st.sampled_from(tags), unique=True))
+    unsettled = set(tags) - set(settled)
+    up_to, each = acknowledgements(settled, unsettled)
+    acked = {t for t in tags if up_to is not None and t <= up_to} | set(each)
+    assert acked == set(settled)
+    assert len(each) == len(set(each))
+    if settled and not unsettled:
+        assert (up_to, each) == (max(settled), [])  # one frame when nothing is held back
