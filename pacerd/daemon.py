@@ -164,6 +164,7 @@ class Daemon:
             cfg.database.dsn, instance=self.instance, clock=self.clock
         )
         self._leader_unrecorded: set[str] = set()  # led, `set_leader` not yet written
+        self._pass = 0  # supervisor passes so far: records count takeovers in passes
         self._broker_down_since: float | None = None  # leadership is given up after a while
         self._broker_retry_at = 0.0
         self._broker_backoff = 0.5
@@ -335,6 +336,7 @@ class Daemon:
                     admitting_in_seconds=settle.tick_seconds,
                     fair_share=fair_share,
                     instances=instances,
+                    supervisor_pass=self._pass,
                 )
         for destination in sorted(self._leader_unrecorded):
             if self.locks.holds(destination):
@@ -343,7 +345,7 @@ class Daemon:
         if not self.locks.has_lock(ledger_module.RECONCILER_LOCK) and await self.locks.try_acquire(
             ledger_module.RECONCILER_LOCK
         ):
-            log.info("leadership_acquired", role="reconciler")
+            log.info("leadership_acquired", role="reconciler", supervisor_pass=self._pass)
 
     async def _supervise_destinations(self, tg: anyio.abc.TaskGroup) -> list[str]:
         assert self.ledger is not None
@@ -514,6 +516,8 @@ class Daemon:
         started = False
         deadline = self.clock.monotonic()
         while not self.stop_requested.is_set():
+            self._pass += 1
+            log.debug("supervisor_pass", supervisor_pass=self._pass)
             if self._reload_requested:
                 self._apply_reload()
             try:

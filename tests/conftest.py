@@ -116,6 +116,28 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         simpool.start(session)
 
 
+# Tests that run daemons as processes and read their records: the simulation
+# pool is paused while one of them runs, so it never takes their CPU.
+DAEMON_TEST_DIRS = frozenset({"e2e", "faults"})
+
+
+def _runs_daemons(item: pytest.Item | None) -> bool:
+    return item is not None and item.path.parent.name in DAEMON_TEST_DIRS
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    simpool = sys.modules.get("simpool")
+    if simpool is None or not _runs_daemons(item):
+        return (yield)
+    simpool.pause(item.session)
+    try:
+        return (yield)
+    finally:
+        if not _runs_daemons(nextitem):
+            simpool.resume(item.session)
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     simpool = sys.modules.get("simpool")
     if simpool is not None:

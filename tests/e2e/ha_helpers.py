@@ -260,6 +260,28 @@ async def first_claim_after(
             await anyio.sleep(0.05)
 
 
+def acquisition(instance: Instance, destination: str, *, after: dt.datetime) -> dict[str, Any]:
+    """The first `leadership_acquired` record of ``destination`` by ``instance`` after ``after``."""
+    found = instance.events("leadership_acquired", destination=destination)
+    later = [e for e in found if e["at"] > after]
+    assert later, f"{instance.name} never acquired {destination} after {after}: {found}"
+    return later[0]
+
+
+def passes_before(instance: Instance, acquired: dict[str, Any], *, after: dt.datetime) -> int:
+    """How many supervisor passes ``instance`` began after ``after`` (a kill, a
+    cut) and before the pass that logged ``acquired``: the daemon's own count,
+    not a wall-clock margin. A standby takes a freed lock on its next pass, so
+    this is 0, or 1 when that pass began before the server had noticed the
+    dead session and freed the lock."""
+    n = acquired["supervisor_pass"]
+    return sum(
+        1
+        for e in instance.events("supervisor_pass")
+        if e["at"] > after and e["supervisor_pass"] < n
+    )
+
+
 def handoffs(groups: Sequence[ClaimGroup]) -> list[tuple[ClaimGroup, ClaimGroup]]:
     """Consecutive claim groups of one destination by different instances."""
     by_destination: dict[str, list[ClaimGroup]] = defaultdict(list)

