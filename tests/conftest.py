@@ -7,6 +7,7 @@ commits or several connections gets a fresh clone of it.
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
+from blockbuster import blockbuster_ctx
 
 from pacerd import ledger
 
@@ -37,6 +39,28 @@ def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in list(os.environ):
         if key.startswith("PACERD_") and not key.startswith("PACERD_TEST_"):
             monkeypatch.delenv(key)
+
+
+@pytest.fixture(autouse=True)
+def _no_blocking_call_on_the_event_loop(request: pytest.FixtureRequest) -> Iterator[None]:
+    """An async test fails when pacerd's code (or the test's) makes a blocking
+    call on the event loop: file or socket I/O, ``time.sleep``, a lock wait
+    (blockbuster). The tests that drive daemons as subprocesses and read their
+    log files are left out: blocking there is the harness's, not pacerd's."""
+    if not inspect.iscoroutinefunction(request.function) or _runs_daemons(request.node):
+        yield
+        return
+    # pacerd.testing holds the demo's and the tests' own helpers, not the daemon's code
+    with blockbuster_ctx("pacerd", excluded_modules=["pacerd.testing"]) as detector:
+        for function in detector.functions.values():
+            # asyncpg reads ~/.pgpass and looks for client certificates on connect
+            function.can_block_in("asyncpg/connect_utils.py", "_parse_connect_dsn_and_args")
+            # pacerd reads its packaged SQL and schemas (a few kB) once, at start-up
+            function.can_block_in("pacerd/ledger.py", {"load_queries", "migration_files"})
+            function.can_block_in("pacerd/protocol.py", "load_schema")
+            # the development console renderer reads source lines to show a traceback
+            function.can_block_in("structlog/dev.py", "__call__")
+        yield
 
 
 async def _admin(sql: str) -> None:
