@@ -13,25 +13,18 @@ import subprocess
 import sys
 import uuid
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
 from blockbuster import blockbuster_ctx
+from support.services import ADMIN_DSN, AMQP_URL, amqp_url_for, dsn_for
 
 from pacerd import ledger
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterator
 
-ADMIN_DSN = os.environ.get("PACERD_TEST_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
-AMQP_URL = os.environ.get("PACERD_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 TEMPLATE = f"pacerd_template_{os.getpid()}"
-
-
-def dsn_for(database: str) -> str:
-    parts = urlsplit(ADMIN_DSN)
-    return urlunsplit(parts._replace(path=f"/{database}"))
 
 
 @pytest.fixture(autouse=True)
@@ -126,8 +119,7 @@ def amqp_url() -> Iterator[str]:
         return
     try:
         _rabbitmqctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
-        parts = urlsplit(AMQP_URL)
-        yield urlunsplit(parts._replace(path=f"/{vhost}"))
+        yield amqp_url_for(vhost)
     finally:
         _rabbitmqctl("delete_vhost", vhost)
 

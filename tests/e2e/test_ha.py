@@ -11,12 +11,11 @@ import json
 import sys
 import uuid
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import anyio
 import asyncpg
 import pytest
-from cutproxy import CutProxy
 from ha_helpers import (
     Cluster,
     Pacing,
@@ -36,6 +35,8 @@ from ha_helpers import (
     utcnow,
     wait_completed,
 )
+from support.proxy import FaultProxy
+from support.services import with_port
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -280,11 +281,6 @@ async def _refs_claimed_before(
     return [(r["job_id"], r["attempt"]) for r in rows]
 
 
-def _via(dsn: str, port: int) -> str:
-    parts = urlsplit(dsn)
-    return urlunsplit(parts._replace(netloc=f"{parts.username}@127.0.0.1:{port}"))
-
-
 async def test_a_partitioned_leader_stops_before_the_database_frees_its_lock(
     cluster: Cluster, db_dsn: str, amqp_url: str
 ) -> None:
@@ -300,24 +296,24 @@ async def test_a_partitioned_leader_stops_before_the_database_frees_its_lock(
     n = 400
     await schedule_backlog(db_dsn, d, n)
     parts = urlsplit(db_dsn)
-    proxy = CutProxy(parts.hostname or "127.0.0.1", parts.port or 5432)
+    proxy = FaultProxy(parts.port or 5432, target_host=parts.hostname or "127.0.0.1")
     await proxy.start()
     try:
         async with ok_workers(amqp_url, [d]) as ups:
-            a = cluster.start("p-a", dsn=_via(db_dsn, proxy.port))
+            a = cluster.start("p-a", dsn=with_port(db_dsn, proxy.port))
             await a.wait_event("admission_leading", destination=d, within=30)
             b = cluster.start("p-b")
             await b.wait_event("leadership_session_connected", within=30)
             await anyio.sleep(4 * tick)
             stalled_at = utcnow()
-            proxy.stall()
+            proxy.partition()
             lost = await a.wait_event("leadership_lost", destination=d, within=10)
             assert await lock_holder_pid(db_dsn, d) is not None  # the server still holds it
             with anyio.fail_after(15):
                 while utcnow() < stalled_at + dt.timedelta(seconds=10):
                     await anyio.sleep(0.1)
             cut_at = utcnow()
-            proxy.cut()
+            proxy.reset()
             took = await first_claim_after(db_dsn, d, stalled_at, within=10)
             proxy.heal()
             await wait_completed(db_dsn, n, within=40)
@@ -357,21 +353,19 @@ async def test_a_leader_cut_off_from_the_broker_gives_its_destinations_up(
     n = 250
     await schedule_backlog(db_dsn, d, n)
     parts = urlsplit(amqp_url)
-    proxy = CutProxy(parts.hostname or "127.0.0.1", parts.port or 5672)
+    proxy = FaultProxy(parts.port or 5672, target_host=parts.hostname or "127.0.0.1")
     await proxy.start()
     try:
         async with ok_workers(amqp_url, [d]):
-            via = urlunsplit(
-                parts._replace(netloc=f"{parts.netloc.split('@')[0]}@127.0.0.1:{proxy.port}")
-            )
+            via = with_port(amqp_url, proxy.port)
             a = cluster.start("b-a", amqp_url=via)
             await a.wait_event("admission_leading", destination=d, within=30)
             b = cluster.start("b-b")
             await b.wait_event("leadership_session_connected", within=30)
             await anyio.sleep(4 * tick)
             cut_at = utcnow()
-            proxy.refuse()
-            proxy.cut()  # the broker connection is reset, and reconnecting is refused
+            proxy.refuse = True
+            proxy.reset()  # the broker connection is reset, and reconnecting is refused
             closed = await a.wait_event("leadership_session_closed", within=20)
             assert (closed["at"] - cut_at).total_seconds() >= 5.0
             took = await first_claim_after(db_dsn, d, cut_at, within=10, not_by="b-a")

@@ -6,12 +6,13 @@ count toward the fair share."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import anyio
 import asyncpg
 import pytest
-from cutproxy import CutProxy
+from support.proxy import FaultProxy
+from support.services import with_port
 
 from pacerd.clock import SystemClock
 from pacerd.ledger import LeaderLocks
@@ -87,10 +88,10 @@ async def test_a_stalled_session_lapses_before_the_server_would_free_its_locks(
     db_dsn: str, locks: list[LeaderLocks]
 ) -> None:
     parts = urlsplit(db_dsn)
-    proxy = CutProxy(parts.hostname or "127.0.0.1", parts.port or 5432)
+    proxy = FaultProxy(parts.port or 5432, target_host=parts.hostname or "127.0.0.1")
     await proxy.start()
     try:
-        via = urlunsplit(parts._replace(netloc=f"{parts.username}@127.0.0.1:{proxy.port}"))
+        via = with_port(db_dsn, proxy.port)
         lease = 2.0
         a = await _connected(locks, via, "a", lease_seconds=lease)
         b = await _connected(locks, db_dsn, "b")
@@ -99,7 +100,7 @@ async def test_a_stalled_session_lapses_before_the_server_would_free_its_locks(
         assert await a._query("SHOW tcp_keepalives_idle") == "2"
         assert await a._query("SHOW tcp_keepalives_count") == "2"
         assert await a._query("SHOW tcp_user_timeout") == "4000"
-        proxy.stall()
+        proxy.partition()
         # The lease (1 x lease after the last answered probe) lapses before the
         # server would end the silent session (2 x lease): that is the bound.
         with anyio.fail_after(2 * lease):
@@ -108,7 +109,7 @@ async def test_a_stalled_session_lapses_before_the_server_would_free_its_locks(
         # The server still holds the lock (the proxy keeps the socket open)...
         assert not await b.try_acquire("d")
         # ...until the connection is reset, as keepalives would.
-        proxy.cut()  # the stall goes on: the lock can only have been freed by the server
+        proxy.reset()  # the partition goes on: the lock can only have been freed by the server
         with anyio.fail_after(5):
             while not await b.try_acquire("d"):
                 await anyio.sleep(0.01)

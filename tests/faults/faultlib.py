@@ -46,13 +46,14 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import aio_pika
 import anyio
 import anyio.to_thread
 import asyncpg
-from tcp_proxy import FaultProxy
+from support.proxy import FaultProxy
+from support.services import ADMIN_DSN, amqp_url_for, dsn_for, with_port
 
 from pacerd.publisher import INVALID_QUEUE, OUTCOMES_QUEUE, ready_queue_name
 from pacerd.testing.demo_app import http_request
@@ -64,8 +65,6 @@ if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
 FAULTS_DIR = Path(__file__).resolve().parent
-ADMIN_DSN = os.environ.get("PACERD_TEST_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
-AMQP_URL = os.environ.get("PACERD_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 HARNESS_APP = "pacerd-fault-harness"
 
 # AMQP basic.publish to the `pacerd.ready` exchange: class 60, method 40, a
@@ -151,17 +150,6 @@ def free_port() -> int:
         return port
 
 
-def with_port(url: str, port: int) -> str:
-    parts = urlsplit(url)
-    netloc = parts.netloc.rsplit("@", 1)
-    host = f"{parts.hostname}:{port}"
-    return urlunsplit(parts._replace(netloc=f"{netloc[0]}@{host}" if len(netloc) == 2 else host))
-
-
-def dsn_for(database: str, admin_dsn: str = ADMIN_DSN) -> str:
-    return urlunsplit(urlsplit(admin_dsn)._replace(path=f"/{database}"))
-
-
 # -- services (the bench creates its own database and vhost) ------------------------------
 
 
@@ -198,7 +186,7 @@ async def create_vhost(vhost: str) -> str:
         done = await anyio.to_thread.run_sync(rabbitmqctl, *args)
         if done.returncode != 0 and "already_exists" not in done.stderr:
             raise RuntimeError(f"rabbitmqctl {' '.join(args)}: {done.stderr.strip()}")
-    return urlunsplit(urlsplit(AMQP_URL)._replace(path="/" + quote(vhost, safe="")))
+    return amqp_url_for(vhost)
 
 
 async def delete_vhost(vhost: str) -> None:
