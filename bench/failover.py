@@ -39,6 +39,7 @@ import anyio
 import asyncpg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the support package
 from ha_helpers import (  # the e2e helpers: instances, ledger queries
     ClaimGroup,
     Cluster,

@@ -28,6 +28,7 @@ from ha_helpers import (
     first_claim_after,
     leaders,
     lock_holder_pid,
+    next_acquisition,
     ok_workers,
     passes_before,
     schedule_backlog,
@@ -232,7 +233,10 @@ async def test_a_leader_whose_lock_session_ends_stops_before_anyone_starts(
             finally:
                 await conn.close()
             lost = await a.wait_event("leadership_lost", destination=d, within=5)
-            took = await first_claim_after(db_dsn, d, cut_at, within=10)
+            # The next leader (either instance) and its first claim; a claim of the
+            # old leader's tick in flight at the cut is not a new leader's.
+            taker, acquired = await next_acquisition([a, b], d, after=cut_at, within=10)
+            took = await first_claim_after(db_dsn, d, acquired["at"], within=10, by=taker.name)
             await wait_completed(db_dsn, n, within=40)
             received = dict(ups.received)
         assert await cluster.stop() == {"t-a": 0, "t-b": 0}
@@ -242,23 +246,21 @@ async def test_a_leader_whose_lock_session_ends_stops_before_anyone_starts(
     await assert_completed_exactly_once(db_dsn, n)
     # The old leader stopped before anyone started: it logged the loss before the
     # next leader's first claim, and after the loss it claimed nothing and
-    # completed no tick...
+    # completed no tick (its tick in flight at the cut was cancelled)...
     assert lost["at"] < took.at, (cut_at, lost["at"], took)
     groups = await claim_groups(db_dsn, d)
     assert not [g for g in groups if g.by == "t-a" and lost["at"] < g.at < took.at], groups
     assert not [t for t in cluster.ticks(d) if t.by == "t-a" and lost["at"] < t.at < took.at]
     # ...and whoever leads next (either instance) took the lock on its next
     # supervisor pass and waited a tick after taking it.
-    taker = cluster.instances[took.by]
-    acquired = acquisition(taker, d, after=cut_at)
     assert passes_before(taker, acquired, after=cut_at) <= 1, (cut_at, acquired)
     assert took.at >= acquired["at"] + dt.timedelta(seconds=tick - 0.005), (acquired, took)
     assert (took.at - cut_at).total_seconds() >= tick - 0.005, (cut_at, took)
     assert_one_leader_at_a_time(groups, tick)
-    assert_claims_within_budgets(groups, cluster, d, cut_short={"t-a": [cut_at]})
-    # Nothing the old leader claimed before the cut reached a worker after the
-    # new leader's first claim: it had stopped publishing.
-    pre_cut = await _refs_claimed_before(db_dsn, "t-a", d, cut_at)
+    assert_claims_within_budgets(groups, cluster, d, cut_short={"t-a": [lost["at"]]})
+    # Nothing the old leader claimed before the new leader's first claim reached
+    # a worker after it: the old leader had stopped publishing.
+    pre_cut = await _refs_claimed_before(db_dsn, "t-a", d, took.at)
     assert pre_cut
     assert not [ref for ref in pre_cut if received.get(ref, took.at) > took.at]
 
@@ -314,7 +316,7 @@ async def test_a_partitioned_leader_stops_before_the_database_frees_its_lock(
                     await anyio.sleep(0.1)
             cut_at = utcnow()
             proxy.reset()
-            took = await first_claim_after(db_dsn, d, stalled_at, within=10)
+            took = await first_claim_after(db_dsn, d, stalled_at, within=10, not_by="p-a")
             proxy.heal()
             await wait_completed(db_dsn, n, within=40)
             received = dict(ups.received)
@@ -327,6 +329,7 @@ async def test_a_partitioned_leader_stops_before_the_database_frees_its_lock(
     # The lease lapsed (the leader stopped) while the server still held the lock.
     assert stalled_at < lost["at"] < cut_at, (stalled_at, lost, cut_at)
     assert took.by == "p-b"
+    assert not [g for g in await claim_groups(db_dsn, d) if g.by == "p-a" and cut_at < g.at]
     assert took.at >= cut_at + dt.timedelta(seconds=tick - 0.005), (cut_at, took)
     # Once the server freed it, the standby took it on its next supervisor pass.
     acquired = acquisition(b, d, after=cut_at)

@@ -53,6 +53,7 @@ import anyio
 import anyio.to_thread
 import asyncpg
 from support.proxy import FaultProxy
+from support.records import TICK_EVENT, records
 from support.services import ADMIN_DSN, amqp_url_for, dsn_for, with_port
 
 from pacerd.publisher import INVALID_QUEUE, OUTCOMES_QUEUE, ready_queue_name
@@ -256,15 +257,8 @@ class Proc:
         return self.log.read_text(errors="replace")
 
     def events(self, name: str | None = None) -> Iterator[dict[str, Any]]:
-        for line in self.text().splitlines():
-            if not line.startswith("{"):
-                continue
-            try:
-                doc = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(doc, dict) and (name is None or doc.get("event") == name):
-                yield doc
+        """Its structured records (tick records checked against their schema)."""
+        return records(self.text(), name)
 
     async def wait_event(self, name: str, *, within: float = 30) -> dict[str, Any]:
         with anyio.fail_after(within):
@@ -856,7 +850,7 @@ class Rig:
     def tick_logs(self) -> list[dict[str, Any]]:
         ticks = []
         for p in self.pacerds:
-            for e in p.events("tick_completed"):
+            for e in p.events(TICK_EVENT):
                 if e.get("destination") == self.destination:
                     e["instance"] = self.instance_of(p)
                     ticks.append(e)
@@ -1177,7 +1171,7 @@ async def sample_forever(rig: Rig, out: list[Sample], every: float) -> None:
 
 async def sample_every_tick(rig: Rig, out: list[Sample]) -> None:
     """The same, once after every admission tick of whichever pacerd leads the
-    destination (each ``tick_completed`` line that was not skipped)."""
+    destination (each tick record that was not skipped)."""
     offsets: dict[str, int] = {}
     while True:
         ticked, claimed = "", -1
@@ -1188,13 +1182,10 @@ async def sample_every_tick(rig: Rig, out: list[Sample]) -> None:
                     data = f.read()
                 end = data.rfind(b"\n") + 1
                 offsets[p.name] = offsets.get(p.name, 0) + end
-                for line in data[:end].splitlines():
-                    if b'"tick_completed"' in line and rig.destination.encode() in line:
-                        with contextlib.suppress(ValueError):
-                            doc = json.loads(line)
-                            if doc.get("skipped") is None:
-                                ticked = f"{p.name} budget {doc['budget']} claimed {doc['claimed']}"
-                                claimed = int(doc["claimed"])
+                for doc in records(data[:end].decode(errors="replace"), TICK_EVENT):
+                    if doc["destination"] == rig.destination and doc.get("skipped") is None:
+                        ticked = f"{p.name} budget {doc['budget']} claimed {doc['claimed']}"
+                        claimed = int(doc["claimed"])
         if ticked:
             await _sample(rig, out, ticked, claimed)
         await anyio.sleep(0.01)

@@ -1,6 +1,6 @@
 """The simulation runs of ``test_sim_targets.py``, started as soon as
 collection ends (by ``tests/conftest.py``) in a pool of one process per core
-at the lowest CPU priority (``SCHED_IDLE``): they use the CPU that the
+at the lowest CPU priority (nice 19): they use the CPU that the
 I/O-bound tests before them leave idle, and each target test then awaits its
 scenario's runs, submitted in the order the tests need them.
 
@@ -29,8 +29,6 @@ _RUNS = pytest.StashKey[Runs]()
 
 def _lowest_priority() -> None:
     os.nice(19)
-    with contextlib.suppress(AttributeError, OSError):  # Linux: run only on an idle CPU
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
 def _signal_workers(session: pytest.Session, sig: signal.Signals) -> None:
