@@ -179,6 +179,7 @@ class Daemon:
         )
         self._leader_unrecorded: set[str] = set()  # led, `set_leader` not yet written
         self._shadows: set[str] = set()  # destinations named like a group, not admitted
+        self._pass = 0  # supervisor passes so far: records count takeovers in passes
         self._broker_down_since: float | None = None  # leadership is given up after a while
         self._broker_retry_at = 0.0
         self._broker_backoff = 0.5
@@ -351,6 +352,7 @@ class Daemon:
                     admitting_in_seconds=settle.tick_seconds,
                     fair_share=fair_share,
                     instances=instances,
+                    supervisor_pass=self._pass,
                 )
         for destination in sorted(self._leader_unrecorded):
             if self.locks.holds(destination):
@@ -359,7 +361,7 @@ class Daemon:
         if not self.locks.has_lock(ledger_module.RECONCILER_LOCK) and await self.locks.try_acquire(
             ledger_module.RECONCILER_LOCK
         ):
-            log.info("leadership_acquired", role="reconciler")
+            log.info("leadership_acquired", role="reconciler", supervisor_pass=self._pass)
 
     async def _supervise_destinations(self, tg: anyio.abc.TaskGroup) -> list[str]:
         assert self.ledger is not None
@@ -557,6 +559,8 @@ class Daemon:
         started = False
         deadline = self.clock.monotonic()
         while not self.stop_requested.is_set():
+            self._pass += 1
+            log.debug("supervisor_pass", supervisor_pass=self._pass)
             if self._reload_requested:
                 self._apply_reload()
             try:

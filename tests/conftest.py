@@ -7,29 +7,24 @@ commits or several connections gets a fresh clone of it.
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
 import uuid
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
+from blockbuster import blockbuster_ctx
+from support.services import ADMIN_DSN, AMQP_URL, amqp_url_for, dsn_for
 
 from pacerd import ledger
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterator
 
-ADMIN_DSN = os.environ.get("PACERD_TEST_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
-AMQP_URL = os.environ.get("PACERD_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 TEMPLATE = f"pacerd_template_{os.getpid()}"
-
-
-def dsn_for(database: str) -> str:
-    parts = urlsplit(ADMIN_DSN)
-    return urlunsplit(parts._replace(path=f"/{database}"))
 
 
 @pytest.fixture(autouse=True)
@@ -37,6 +32,28 @@ def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in list(os.environ):
         if key.startswith("PACERD_") and not key.startswith("PACERD_TEST_"):
             monkeypatch.delenv(key)
+
+
+@pytest.fixture(autouse=True)
+def _no_blocking_call_on_the_event_loop(request: pytest.FixtureRequest) -> Iterator[None]:
+    """An async test fails when pacerd's code (or the test's) makes a blocking
+    call on the event loop: file or socket I/O, ``time.sleep``, a lock wait
+    (blockbuster). The tests that drive daemons as subprocesses and read their
+    log files are left out: blocking there is the harness's, not pacerd's."""
+    if not inspect.iscoroutinefunction(request.function) or _runs_daemons(request.node):
+        yield
+        return
+    # pacerd.testing holds the demo's and the tests' own helpers, not the daemon's code
+    with blockbuster_ctx("pacerd", excluded_modules=["pacerd.testing"]) as detector:
+        for function in detector.functions.values():
+            # asyncpg reads ~/.pgpass and looks for client certificates on connect
+            function.can_block_in("asyncpg/connect_utils.py", "_parse_connect_dsn_and_args")
+            # pacerd reads its packaged SQL and schemas (a few kB) once, at start-up
+            function.can_block_in("pacerd/ledger.py", {"load_queries", "migration_files"})
+            function.can_block_in("pacerd/protocol.py", "load_schema")
+            # the development console renderer reads source lines to show a traceback
+            function.can_block_in("structlog/dev.py", "__call__")
+        yield
 
 
 async def _admin(sql: str) -> None:
@@ -102,8 +119,7 @@ def amqp_url() -> Iterator[str]:
         return
     try:
         _rabbitmqctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
-        parts = urlsplit(AMQP_URL)
-        yield urlunsplit(parts._replace(path=f"/{vhost}"))
+        yield amqp_url_for(vhost)
     finally:
         _rabbitmqctl("delete_vhost", vhost)
 
@@ -114,6 +130,28 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         import simpool  # tests/sim is on sys.path once its tests are collected
 
         simpool.start(session)
+
+
+# Tests that run daemons as processes and read their records: the simulation
+# pool is paused while one of them runs, so it never takes their CPU.
+DAEMON_TEST_DIRS = frozenset({"e2e", "faults"})
+
+
+def _runs_daemons(item: pytest.Item | None) -> bool:
+    return item is not None and item.path.parent.name in DAEMON_TEST_DIRS
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    simpool = sys.modules.get("simpool")
+    if simpool is None or not _runs_daemons(item):
+        return (yield)
+    simpool.pause(item.session)
+    try:
+        return (yield)
+    finally:
+        if not _runs_daemons(nextitem):
+            simpool.resume(item.session)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -35,6 +35,7 @@ import anyio
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "faults"))
+sys.path.insert(0, str(ROOT / "tests"))  # the tests' support package
 
 import fault_scenarios as fs  # noqa: E402  (the test suite's scenarios)
 import faultlib  # noqa: E402

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import asyncpg
+from support.records import TICK_EVENT, records
 
 from pacerd.testing.demo_app import call_upstream
 from pacerd.testing.upstream import CapacitySchedule, ModelUpstream, UpstreamParams
@@ -120,15 +121,7 @@ class Instance:
 
     def events(self, event: str | None = None, **match: object) -> list[dict[str, Any]]:
         out = []
-        for line in self.log.read_text(errors="replace").splitlines():
-            if not line.startswith("{"):
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if event is not None and record.get("event") != event:
-                continue
+        for record in records(self.log.read_text(errors="replace"), event):
             if all(record.get(k) == v for k, v in match.items()):
                 record["at"] = dt.datetime.fromisoformat(record["timestamp"])
                 out.append(record)
@@ -200,7 +193,7 @@ class Cluster:
     def ticks(self, destination: str) -> list[Tick]:
         out = []
         for instance in self.instances.values():
-            for e in instance.events("tick_completed", destination=destination):
+            for e in instance.events(TICK_EVENT, destination=destination):
                 out.append(
                     Tick(
                         by=instance.name,
@@ -250,14 +243,60 @@ async def claim_groups(dsn: str, destination: str | None = None) -> list[ClaimGr
 
 
 async def first_claim_after(
-    dsn: str, destination: str, after: dt.datetime, *, within: float, not_by: str | None = None
+    dsn: str,
+    destination: str,
+    after: dt.datetime,
+    *,
+    within: float,
+    not_by: str | None = None,
+    by: str | None = None,
 ) -> ClaimGroup:
     with anyio.fail_after(within):
         while True:
             for group in await claim_groups(dsn, destination):
-                if group.at > after and group.by != not_by:
+                if group.at > after and group.by != not_by and by in (None, group.by):
                     return group
             await anyio.sleep(0.05)
+
+
+async def next_acquisition(
+    instances: Iterable[Instance], destination: str, *, after: dt.datetime, within: float
+) -> tuple[Instance, dict[str, Any]]:
+    """The first instance to acquire ``destination`` after ``after``, and its record."""
+    with anyio.fail_after(within):
+        while True:
+            found = [
+                (e["at"], i.name, i, e)
+                for i in instances
+                for e in i.events("leadership_acquired", destination=destination)
+                if e["at"] > after
+            ]
+            if found:
+                _at, _name, instance, record = min(found, key=lambda f: (f[0], f[1]))
+                return instance, record
+            await anyio.sleep(0.05)
+
+
+def acquisition(instance: Instance, destination: str, *, after: dt.datetime) -> dict[str, Any]:
+    """The first `leadership_acquired` record of ``destination`` by ``instance`` after ``after``."""
+    found = instance.events("leadership_acquired", destination=destination)
+    later = [e for e in found if e["at"] > after]
+    assert later, f"{instance.name} never acquired {destination} after {after}: {found}"
+    return later[0]
+
+
+def passes_before(instance: Instance, acquired: dict[str, Any], *, after: dt.datetime) -> int:
+    """How many supervisor passes ``instance`` began after ``after`` (a kill, a
+    cut) and before the pass that logged ``acquired``: the daemon's own count,
+    not a wall-clock margin. A standby takes a freed lock on its next pass, so
+    this is 0, or 1 when that pass began before the server had noticed the
+    dead session and freed the lock."""
+    n = acquired["supervisor_pass"]
+    return sum(
+        1
+        for e in instance.events("supervisor_pass")
+        if e["at"] > after and e["supervisor_pass"] < n
+    )
 
 
 def handoffs(groups: Sequence[ClaimGroup]) -> list[tuple[ClaimGroup, ClaimGroup]]:

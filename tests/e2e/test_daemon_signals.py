@@ -3,12 +3,13 @@ SIGTERM mid-drain, a second SIGTERM, SIGUSR1/SIGUSR2, SIGHUP."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
@@ -46,7 +47,7 @@ shutdown_grace_seconds = 5.0
 
 [telemetry]
 log_format = "json"
-log_level = "info"
+log_level = "debug"
 """
     )
     return path
@@ -66,6 +67,27 @@ class Pacerd:
             stderr=subprocess.STDOUT,
             env=env,
         )
+
+    def events(self, name: str, **match: object) -> list[dict[str, Any]]:
+        """The daemon's JSON log records named ``name`` (its tick records among them)."""
+        out = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if record.get("event") == name and all(
+                    record.get(k) == v for k, v in match.items()
+                ):
+                    out.append(record)
+        return out
+
+    async def wait_events(self, name: str, n: int, *, within: float = 20, **match: object) -> None:
+        with anyio.fail_after(within):
+            while len(self.events(name, **match)) < n:
+                assert self.process.poll() is None, self.log.read_text()[-3000:]
+                await anyio.sleep(0.05)
 
     def send(self, sig: signal.Signals) -> None:
         self.process.send_signal(sig)
@@ -150,9 +172,11 @@ async def test_sigusr1_pauses_admission_and_sigusr2_resumes_it(
             await anyio.sleep(0.05)
     proc.send(signal.SIGUSR1)
     await proc.wait_log('"admission_paused_locally"')
-    await anyio.sleep(0.5)  # one tick (0.2 s) for the pause to take effect, plus margin
+    # Ticks run one after another: once a tick has seen the pause, the tick
+    # that was in flight when it came has ended.
+    await proc.wait_events("tick_completed", 1, skipped="paused_local")
     paused_at = (await state_counts(db_dsn)).get("offered", 0)
-    await anyio.sleep(1.5)
+    await proc.wait_events("tick_completed", 8, skipped="paused_local")
     assert (await state_counts(db_dsn)).get("offered", 0) == paused_at, (
         "offers continued while paused"
     )
@@ -175,13 +199,10 @@ async def test_sighup_applies_a_new_rate_and_keeps_running_on_an_invalid_file(
     pacerd_proc.append(proc)
     await proc.wait_log('"pacerd_ready"')
 
-    async def offered_rate(seconds: float) -> float:
-        before = (await state_counts(db_dsn)).get("offered", 0)
-        await anyio.sleep(seconds)
-        return ((await state_counts(db_dsn)).get("offered", 0) - before) / seconds
-
-    slow = await offered_rate(2.0)
-    assert slow < 60, slow
+    # The daemon's tick records: the rate it paced at before and after the reload.
+    await proc.wait_events("tick_completed", 5, destination=destination)
+    slow = proc.events("tick_completed", destination=destination)
+    assert all(t["rate"] < 60 for t in slow), slow
     config.write_text(
         config.read_text()
         .replace("initial_rate = 20", "initial_rate = 500")
@@ -189,8 +210,12 @@ async def test_sighup_applies_a_new_rate_and_keeps_running_on_an_invalid_file(
     )
     proc.send(signal.SIGHUP)
     await proc.wait_log('"config_reloaded"')
-    fast = await offered_rate(2.0)
-    assert fast > 4 * slow, (slow, fast)
+    reloaded = len(proc.events("tick_completed", destination=destination))
+    await proc.wait_events("tick_completed", reloaded + 5, destination=destination)
+    after = proc.events("tick_completed", destination=destination)[reloaded + 1 :]
+    assert after, after
+    assert all(t["rate"] >= 500 for t in after), after
+    assert all(t["claimed"] > 4 * max(s["claimed"] for s in slow) for t in after), (slow, after)
 
     config.write_text("[pacing]\ntick_seconds = -1\n")
     proc.send(signal.SIGHUP)

@@ -18,8 +18,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import anyio
 import pytest
-from cutproxy import CutProxy
 from ha_helpers import schedule_backlog
+from support.proxy import FaultProxy
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -91,7 +91,7 @@ async def test_broker_outage_fails_readiness_not_liveness(
     destination = f"e2e-{uuid.uuid4().hex[:8]}"
     await schedule_backlog(db_dsn, destination, 10)
     broker = urlsplit(amqp_url)
-    proxy = CutProxy(broker.hostname or "127.0.0.1", broker.port or 5672)
+    proxy = FaultProxy(broker.port or 5672, target_host=broker.hostname or "127.0.0.1")
     await proxy.start()
     credentials = broker.netloc.rpartition("@")[0]
     proxied = urlunsplit(broker._replace(netloc=f"{credentials}@127.0.0.1:{proxy.port}"))
@@ -116,8 +116,8 @@ async def test_broker_outage_fails_readiness_not_liveness(
             assert sample(metrics, "pacerd_build_info", instance_name=INSTANCE) == 1
             assert (await http_get(port, "/livez"))[0] == 200
 
-            proxy.refuse()
-            proxy.cut()
+            proxy.refuse = True
+            proxy.reset()
             await until_status(port, "/readyz", 503)
             assert (await http_get(port, "/livez"))[0] == 200
             with anyio.fail_after(30):  # past the broker grace, leadership is given up

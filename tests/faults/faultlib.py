@@ -46,13 +46,15 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import aio_pika
 import anyio
 import anyio.to_thread
 import asyncpg
-from tcp_proxy import FaultProxy
+from support.proxy import FaultProxy
+from support.records import TICK_EVENT, records
+from support.services import ADMIN_DSN, amqp_url_for, dsn_for, with_port
 
 from pacerd.publisher import INVALID_QUEUE, OUTCOMES_QUEUE, ready_queue_name
 from pacerd.testing.demo_app import http_request
@@ -64,8 +66,6 @@ if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
 FAULTS_DIR = Path(__file__).resolve().parent
-ADMIN_DSN = os.environ.get("PACERD_TEST_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
-AMQP_URL = os.environ.get("PACERD_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 HARNESS_APP = "pacerd-fault-harness"
 
 # AMQP basic.publish to the `pacerd.ready` exchange: class 60, method 40, a
@@ -151,17 +151,6 @@ def free_port() -> int:
         return port
 
 
-def with_port(url: str, port: int) -> str:
-    parts = urlsplit(url)
-    netloc = parts.netloc.rsplit("@", 1)
-    host = f"{parts.hostname}:{port}"
-    return urlunsplit(parts._replace(netloc=f"{netloc[0]}@{host}" if len(netloc) == 2 else host))
-
-
-def dsn_for(database: str, admin_dsn: str = ADMIN_DSN) -> str:
-    return urlunsplit(urlsplit(admin_dsn)._replace(path=f"/{database}"))
-
-
 # -- services (the bench creates its own database and vhost) ------------------------------
 
 
@@ -198,7 +187,7 @@ async def create_vhost(vhost: str) -> str:
         done = await anyio.to_thread.run_sync(rabbitmqctl, *args)
         if done.returncode != 0 and "already_exists" not in done.stderr:
             raise RuntimeError(f"rabbitmqctl {' '.join(args)}: {done.stderr.strip()}")
-    return urlunsplit(urlsplit(AMQP_URL)._replace(path="/" + quote(vhost, safe="")))
+    return amqp_url_for(vhost)
 
 
 async def delete_vhost(vhost: str) -> None:
@@ -268,15 +257,8 @@ class Proc:
         return self.log.read_text(errors="replace")
 
     def events(self, name: str | None = None) -> Iterator[dict[str, Any]]:
-        for line in self.text().splitlines():
-            if not line.startswith("{"):
-                continue
-            try:
-                doc = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(doc, dict) and (name is None or doc.get("event") == name):
-                yield doc
+        """Its structured records (tick records checked against their schema)."""
+        return records(self.text(), name)
 
     async def wait_event(self, name: str, *, within: float = 30) -> dict[str, Any]:
         with anyio.fail_after(within):
@@ -789,6 +771,23 @@ class Rig:
         )
         return [(r["job_id"], r["attempt"]) for r in rows]
 
+    async def claimed_since(self, instance: str, since: dt.datetime) -> list[tuple[str, int]]:
+        """Claims of ``instance`` still held (not offered) whose claim came after ``since``."""
+        rows = await self.db().fetch(
+            "SELECT j.job_id, j.attempt FROM pacerd.jobs j JOIN pacerd.job_events c"
+            " ON c.job_id = j.job_id AND c.attempt = j.attempt AND c.event = 'claimed'"
+            " WHERE j.state = 'claimed' AND j.claimed_by = $1 AND c.at > $2",
+            instance,
+            since,
+        )
+        return [(r["job_id"], r["attempt"]) for r in rows]
+
+    def delivered(self) -> set[tuple[str, int]]:
+        """The offers (job_id, attempt) that reached a worker: called, or skipped as stale."""
+        calls = self.call_log()
+        out = {(str(c["job_id"]), int(c["attempt"])) for c in calls if c.get("ev") == "start"}
+        return out | set(self.skipped_offers())
+
     async def claim_windows(self, instance: str) -> tuple[int, int]:
         """For the claims of the last tick of ``instance`` (a killed daemon) that were
         never marked offered: how many reached a worker (published, the daemon died
@@ -803,8 +802,7 @@ class Rig:
             " AND o.event = 'offered')",
             instance,
         )
-        delivered = {(c["job_id"], c["attempt"]) for c in self.call_log() if c.get("ev") == "start"}
-        delivered |= set(self.skipped_offers())
+        delivered = self.delivered()
         published = sum(1 for r in rows if (r["job_id"], r["attempt"]) in delivered)
         return published, len(rows) - published
 
@@ -852,7 +850,7 @@ class Rig:
     def tick_logs(self) -> list[dict[str, Any]]:
         ticks = []
         for p in self.pacerds:
-            for e in p.events("tick_completed"):
+            for e in p.events(TICK_EVENT):
                 if e.get("destination") == self.destination:
                     e["instance"] = self.instance_of(p)
                     ticks.append(e)
@@ -863,27 +861,38 @@ class Rig:
     async def settle(self, *, within: float) -> bool:
         """Waits until nothing is in flight and nothing is due or about to be (a
         retry's backoff); jobs scheduled for later (the workload's own) may wait.
-        False when that did not happen in time."""
+        False when the ledger stood still for ``within`` seconds before that: a
+        stuck drain fails, a drain that is only slow (a loaded machine) is
+        waited for as long as its jobs keep moving."""
         soon = self.knobs.backoff_cap_seconds + 2.0
-        with anyio.move_on_after(within):
-            while True:
-                try:
-                    row = await self.db().fetchrow(
-                        "SELECT count(*) FILTER (WHERE state IN ('claimed', 'offered')) AS busy,"
-                        " count(*) FILTER (WHERE state = 'scheduled' AND next_attempt_at"
-                        " <= now() + make_interval(secs => $2)) AS due"
-                        " FROM pacerd.jobs WHERE destination = $1",
-                        self.destination,
-                        soon,
-                    )
-                except DB_DOWN:
-                    row = None
-                if row is not None and row["busy"] == 0 and row["due"] == 0:
-                    return True
-                if self.crash_looping():
-                    return False
-                await anyio.sleep(0.2)
-        return False
+        seen: object = None
+        while True:
+            with anyio.move_on_after(within) as still:
+                while True:
+                    try:
+                        row = await self.db().fetchrow(
+                            "SELECT count(*) FILTER (WHERE state IN ('claimed', 'offered'))"
+                            " AS busy, count(*) FILTER (WHERE state = 'scheduled' AND"
+                            " next_attempt_at <= now() + make_interval(secs => $2)) AS due,"
+                            " count(*) FILTER (WHERE state IN ('completed', 'dead')) AS done,"
+                            " coalesce(sum(attempt), 0) AS attempts"
+                            " FROM pacerd.jobs WHERE destination = $1",
+                            self.destination,
+                            soon,
+                        )
+                    except DB_DOWN:
+                        row = None
+                    if row is not None and row["busy"] == 0 and row["due"] == 0:
+                        return True
+                    if self.crash_looping():
+                        return False
+                    now = None if row is None else (row["done"], row["attempts"], row["busy"])
+                    if now is not None and now != seen:
+                        seen = now
+                        break  # moving: wait another ``within`` from here
+                    await anyio.sleep(0.2)
+            if still.cancelled_caught:
+                return False
 
     def crash_looping(self) -> bool:
         """More crashes than the scenario allows, by ``crash_loop_after``: waiting
@@ -907,7 +916,7 @@ class Rig:
             notes.append(
                 "stopped waiting: more crashes than the scenario allows"
                 if self.crash_looping()
-                else f"did not settle within {within:.0f} s"
+                else f"did not settle: the ledger stood still for {within:.0f} s"
             )
         if (cadence := self.tick_cadence()) is not None:
             notes.append(
@@ -1162,7 +1171,7 @@ async def sample_forever(rig: Rig, out: list[Sample], every: float) -> None:
 
 async def sample_every_tick(rig: Rig, out: list[Sample]) -> None:
     """The same, once after every admission tick of whichever pacerd leads the
-    destination (each ``tick_completed`` line that was not skipped)."""
+    destination (each tick record that was not skipped)."""
     offsets: dict[str, int] = {}
     while True:
         ticked, claimed = "", -1
@@ -1173,13 +1182,10 @@ async def sample_every_tick(rig: Rig, out: list[Sample]) -> None:
                     data = f.read()
                 end = data.rfind(b"\n") + 1
                 offsets[p.name] = offsets.get(p.name, 0) + end
-                for line in data[:end].splitlines():
-                    if b'"tick_completed"' in line and rig.destination.encode() in line:
-                        with contextlib.suppress(ValueError):
-                            doc = json.loads(line)
-                            if doc.get("skipped") is None:
-                                ticked = f"{p.name} budget {doc['budget']} claimed {doc['claimed']}"
-                                claimed = int(doc["claimed"])
+                for doc in records(data[:end].decode(errors="replace"), TICK_EVENT):
+                    if doc["destination"] == rig.destination and doc.get("skipped") is None:
+                        ticked = f"{p.name} budget {doc['budget']} claimed {doc['claimed']}"
+                        claimed = int(doc["claimed"])
         if ticked:
             await _sample(rig, out, ticked, claimed)
         await anyio.sleep(0.01)

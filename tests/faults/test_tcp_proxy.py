@@ -1,5 +1,5 @@
 """The fault proxy itself, against a loopback echo server: forwarding, latency,
-stalls, resets, refusals, close propagation, the client-chunk hook, loopback only."""
+stalls, partitions, resets, refusals, close propagation, the client-chunk hook, loopback only."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 import pytest
-from tcp_proxy import FaultProxy, is_loopback
+from support.proxy import FaultProxy, is_loopback
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -72,16 +72,21 @@ async def test_forwards_both_ways_and_counts_bytes() -> None:
 
 async def test_latency_delays_each_direction_without_reordering() -> None:
     async with proxied() as (proxy, _peers):
-        proxy.latency_seconds = 0.1
+        latency = 0.5
+        proxy.latency_seconds = latency
         reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
         started = time.monotonic()
-        with anyio.fail_after(5):
+        # Delayed there and back (a sleep never ends early); chunks in flight
+        # together are delayed together, so five of them take well under the
+        # ten latencies they would take one after the other.
+        with anyio.fail_after(5 * 2 * latency):
             for i in range(5):
                 writer.write(f"{i};".encode())
-            await writer.drain()
+                await writer.drain()
+                await asyncio.sleep(0)
             echoed = await reader.readexactly(10)
         assert echoed == b"0;1;2;3;4;"
-        assert 0.2 <= time.monotonic() - started < 1.5  # there and back, once, not per chunk
+        assert time.monotonic() - started >= 2 * latency
         writer.close()
 
 
@@ -176,6 +181,36 @@ async def test_a_closing_client_closes_the_service_side_even_while_stalled() -> 
             while not peers[0].is_closing():
                 await asyncio.sleep(0.02)
         assert proxy.active == 0
+
+
+async def test_a_partition_hides_closes_and_holds_new_connections_until_reset() -> None:
+    async with proxied() as (proxy, peers):
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        with anyio.fail_after(5):
+            await _roundtrip(reader, writer, b"x")
+        proxy.partition()
+        writer.transport.abort()  # the client dies; the service must not see it
+        late_reader, late_writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        late_writer.write(b"late")
+        await late_writer.drain()
+        with anyio.move_on_after(0.3):
+            while not peers[0].is_closing():
+                await asyncio.sleep(0.02)
+        assert not peers[0].is_closing(), "a close went through a partition"
+        assert len(peers) == 1, "a new connection reached the service through a partition"
+        # A reset ends what the partition held, as the server's keepalives would.
+        proxy.reset()
+        with anyio.fail_after(5):
+            while not peers[0].is_closing():
+                await asyncio.sleep(0.02)
+            with contextlib.suppress(ConnectionError):
+                assert await late_reader.read(10) == b""
+        assert len(peers) == 1
+        proxy.heal()
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        with anyio.fail_after(5):
+            assert await _roundtrip(reader, writer, b"healed") == b"healed"
+        writer.close()
 
 
 async def test_the_hook_sees_client_chunks_before_they_are_forwarded() -> None:

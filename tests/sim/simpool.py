@@ -1,13 +1,20 @@
 """The simulation runs of ``test_sim_targets.py``, started as soon as
 collection ends (by ``tests/conftest.py``) in a pool of one process per core
-at the lowest CPU priority: they use the CPU that the I/O-bound tests before
-them leave idle, and each target test then awaits its scenario's runs,
-submitted in the order the tests need them."""
+at the lowest CPU priority (nice 19): they use the CPU that the
+I/O-bound tests before them leave idle, and each target test then awaits its
+scenario's runs, submitted in the order the tests need them.
+
+The pool never competes with a test that runs daemons as processes (the
+end-to-end and fault tests): ``tests/conftest.py`` pauses its processes
+(SIGSTOP) for the duration of each such test and resumes them (SIGCONT)
+after it."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import signal
 from concurrent.futures import Future, ProcessPoolExecutor
 
 import pytest
@@ -22,6 +29,25 @@ _RUNS = pytest.StashKey[Runs]()
 
 def _lowest_priority() -> None:
     os.nice(19)
+
+
+def _signal_workers(session: pytest.Session, sig: signal.Signals) -> None:
+    pool = session.config.stash.get(_POOL, None)
+    if pool is None:
+        return
+    for process in list((pool._processes or {}).values()):
+        if process.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, sig)
+
+
+def pause(session: pytest.Session) -> None:
+    """Stops the pool's processes (until ``resume``)."""
+    _signal_workers(session, signal.SIGSTOP)
+
+
+def resume(session: pytest.Session) -> None:
+    _signal_workers(session, signal.SIGCONT)
 
 
 def start(session: pytest.Session) -> None:
@@ -49,6 +75,7 @@ def start(session: pytest.Session) -> None:
 def stop(session: pytest.Session) -> None:
     pool = session.config.stash.get(_POOL, None)
     if pool is not None:
+        resume(session)
         pool.shutdown(cancel_futures=True)
 
 

@@ -13,6 +13,7 @@ import time
 from typing import TYPE_CHECKING
 
 import aiormq.exceptions
+import anyio
 import pytest
 import structlog
 from aiormq.abc import DeliveredMessage
@@ -29,6 +30,7 @@ from opentelemetry.sdk.metrics.export import (
     InMemoryMetricReader,
     NumberDataPoint,
 )
+from opentelemetry.sdk.trace import SpanProcessor
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
@@ -600,9 +602,48 @@ def test_shutdown_is_bounded_when_the_collector_does_not_answer() -> None:
     assert stuck.aborted.is_set()
 
 
-async def test_aclose_runs_off_the_event_loop(harness: Harness) -> None:
-    await harness.telemetry.aclose(timeout_seconds=2)
-    harness.telemetry.shutdown()  # idempotent
+class GatedProcessor(SpanProcessor):
+    """A span processor whose shutdown waits until the test lets it finish."""
+
+    def __init__(self) -> None:
+        self.shutting_down = threading.Event()
+        self.release = threading.Event()
+        self.released = False
+
+    def shutdown(self) -> None:
+        self.shutting_down.set()
+        self.released = self.release.wait(10)
+
+
+async def test_aclose_runs_off_the_event_loop() -> None:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.trace import TracerProvider
+
+    gate = GatedProcessor()
+    provider = TracerProvider(shutdown_on_exit=False)
+    provider.add_span_processor(gate)
+    tel = Telemetry(provider, MeterProvider(shutdown_on_exit=False))
+    closed = anyio.Event()
+    seen_in_progress = False
+
+    async def close() -> None:
+        await tel.aclose(timeout_seconds=10)
+        closed.set()
+
+    # The loop must keep running while the shutdown is in progress: this task
+    # sees it under way and lets it finish. Were aclose to block the loop, the
+    # task would only run again once the shutdown had returned.
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(close)
+            while not closed.is_set():
+                if gate.shutting_down.is_set():
+                    seen_in_progress = True
+                    gate.release.set()
+                await anyio.sleep(0.01)
+    assert seen_in_progress, "aclose blocked the event loop"
+    assert gate.released
+    tel.shutdown()  # idempotent
 
 
 # -- the daemon's wiring -----------------------------------------------------------

@@ -1,4 +1,5 @@
-"""A small asyncio TCP fault proxy, loopback only, for the fault-injection suite.
+"""The tests' TCP fault proxy, loopback only (the fault-injection suite, the
+high-availability tests and the fault benchmark all use this one).
 
 One ``FaultProxy`` listens on a loopback port and forwards every connection to
 one loopback service (PostgreSQL, RabbitMQ). Between the two it can inject the
@@ -11,14 +12,19 @@ network trouble a daemon must survive, without Docker or toxiproxy:
   ``stall(down=False)`` holds only what the client sends, as a broker that
   blocks a publishing connection does (it stops reading from it);
   ``unstall()`` delivers what was held, in order;
-- ``reset()``: every open connection is aborted with a TCP RST on both sides;
+- ``partition()`` / ``heal()``: a network partition as both ends see it: a
+  stall in both directions that also hides closes (a side that closes or dies
+  is not seen by the other until the partition heals or ``reset()``) and
+  holds new connections before they reach the service;
+- ``reset()``: every open connection is aborted with a TCP RST on both sides
+  (as when the far side's keepalives give up); a partition goes on;
 - ``refuse``: new connections are accepted and reset at once (a service that
   is down);
 - ``on_client_chunk``: an async hook awaited before each client→service chunk
   is forwarded (a trigger: "stall the ledger right after this publish").
 
-A side that closes (EOF, RST, a killed process) closes the other side at once,
-stalled or not, so a killed client's server session ends (and its locks are
+Outside a partition, a side that closes (EOF, RST, a killed process) closes
+the other side at once, stalled or not, so a killed client's server session ends (and its locks are
 released) as it would without the proxy. The proxy only binds and connects to
 loopback addresses.
 
@@ -109,6 +115,9 @@ class FaultProxy:
         self._up.set()
         self._down.set()
         self._links: set[_Link] = set()
+        self._healed = asyncio.Event()  # cleared while partitioned
+        self._healed.set()
+        self._held: set[asyncio.StreamWriter] = set()  # accepted during a partition
         self._server: asyncio.Server | None = None
 
     @property
@@ -131,7 +140,7 @@ class FaultProxy:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-        self.unstall()
+        self.heal()
         for link in list(self._links):
             self._teardown(link, rst=False)
         if self._server is not None:
@@ -162,11 +171,30 @@ class FaultProxy:
         self._up.set()
         self._down.set()
 
+    @property
+    def partitioned(self) -> bool:
+        return not self._healed.is_set()
+
+    def partition(self) -> None:
+        """Nothing gets through, no close is seen, new connections hang."""
+        self.stall()
+        self._healed.clear()
+
+    def heal(self) -> None:
+        """Ends a partition, a stall and refusing: forwards again."""
+        self.refuse = False
+        self._healed.set()
+        self.unstall()
+
     def reset(self) -> int:
-        """Aborts every open connection with a TCP RST on both sides; returns how many."""
+        """Aborts every open connection (and every connection held by a
+        partition) with a TCP RST on both sides; returns how many."""
         links = list(self._links)
         for link in links:
             self._teardown(link, rst=True)
+        for writer in list(self._held):
+            _abort_with_rst(writer)
+        self._held.clear()
         self.stats.resets += len(links)
         return len(links)
 
@@ -178,6 +206,12 @@ class FaultProxy:
             self.stats.refused += 1
             _abort_with_rst(writer)
             return
+        if self.partitioned:
+            self._held.add(writer)
+            await self._healed.wait()
+            if writer not in self._held:  # reset meanwhile
+                return
+            self._held.discard(writer)
         try:
             up_reader, up_writer = await asyncio.open_connection(self.target_host, self.target_port)
         except OSError:
@@ -202,16 +236,22 @@ class FaultProxy:
         queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(HELD_CHUNKS)
         deliver = asyncio.create_task(self._deliver(link, queue, writer, upstream=upstream))
         try:
-            while True:
-                chunk = await reader.read(CHUNK_BYTES)
-                if not chunk:
-                    break
-                if upstream and self.on_client_chunk is not None:
-                    await self.on_client_chunk(chunk)
-                await queue.put((time.monotonic() + self.latency_seconds, chunk))
-            if not self.stalled:
+            failed = False
+            try:
+                while True:
+                    chunk = await reader.read(CHUNK_BYTES)
+                    if not chunk:
+                        break
+                    if upstream and self.on_client_chunk is not None:
+                        await self.on_client_chunk(chunk)
+                    await queue.put((time.monotonic() + self.latency_seconds, chunk))
+            except (ConnectionError, OSError, asyncio.IncompleteReadError):
+                failed = True
+            if self.partitioned:
+                await self._healed.wait()  # a partition hides the close from the other side
+            if not failed and not self.stalled:
                 await queue.join()  # a clean close: deliver what is in flight first
-        except (ConnectionError, OSError, asyncio.IncompleteReadError):
+        except (ConnectionError, OSError):
             pass
         finally:
             deliver.cancel()
