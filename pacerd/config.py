@@ -25,6 +25,7 @@ import functools
 import json
 import os
 import re
+import socket
 import tomllib
 import types
 from collections.abc import Collection, Mapping
@@ -420,6 +421,12 @@ def _overlay(pacing: PacingConfig, overrides: DestinationConfig) -> PacingConfig
 def _group_of(globs: tuple[tuple[str, str], ...], destination: str) -> str | None:
     """The first ``(group, glob)`` of ``globs`` that fits ``destination``."""
     return next((g for g, glob in globs if fnmatch.fnmatchcase(destination, glob)), None)
+
+
+def instance_name(cfg: Config) -> str:
+    """This process's name in logs, metrics and leadership records:
+    ``[daemon] instance_name``, else ``host:pid``."""
+    return cfg.daemon.instance_name or f"{socket.gethostname()}:{os.getpid()}"
 
 
 def default_config_path(environ: Mapping[str, str] | None = None) -> str:

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import socket
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +25,7 @@ from pacerd import config as config_module
 from pacerd import ledger as ledger_module
 from pacerd.admission import AdmissionConfig, DestinationAdmission, TickResult, run_destination
 from pacerd.clock import Clock, SystemClock
+from pacerd.config import instance_name
 from pacerd.errors import ConfigError, LedgerError, LedgerUnavailable, MigrationError, PacerdError
 from pacerd.exitcodes import EX_NOT_MIGRATED
 from pacerd.outcomes import OutcomeConsumer, OutcomeResult
@@ -47,10 +46,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger("pacerd.daemon")
 
 EX_OK = 0
-
-
-def instance_name(cfg: Config) -> str:
-    return cfg.daemon.instance_name or f"{socket.gethostname()}:{os.getpid()}"
 
 
 class TelemetryObserver:

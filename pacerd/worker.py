@@ -56,6 +56,7 @@ from pamqp.commands import Basic
 from pamqp.frame import marshal
 
 from pacerd.clock import Clock, SystemClock
+from pacerd.config import instance_name
 from pacerd.errors import BrokerUnavailable, ConfigError, LedgerError, PacerdError
 from pacerd.models import Outcome, Report
 from pacerd.protocol import (
@@ -790,7 +791,7 @@ def main(cfg: Config, *, app_ref: str) -> int:
         return EX_USAGE
     telemetry = setup_telemetry(
         f"{cfg.telemetry.service_name}-worker", cfg.telemetry.log_level,
-        cfg.telemetry.log_format, set_global=True,
+        cfg.telemetry.log_format, set_global=True, instance=instance_name(cfg),
     )  # fmt: skip
     if not telemetry.span_exporters:  # spans nobody would see: none made, the context passed on
         worker.tracer = trace.NoOpTracer()

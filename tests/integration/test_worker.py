@@ -385,7 +385,7 @@ async def test_pacerd_worker_process_stops_on_sigterm(
     config = tmp_path / "worker.toml"
     config.write_text(
         f'[database]\ndsn = "{rig.dsn}"\n[broker]\nurl = "{amqp_url}"\n'
-        '[telemetry]\nlog_format = "json"\n'
+        '[telemetry]\nlog_format = "json"\n[daemon]\ninstance_name = "worker-7"\n'
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("PACERD_")}
     env |= {"DEMO_UPSTREAMS": json.dumps({rig.destination: "http://127.0.0.1:9"})}
@@ -408,6 +408,10 @@ async def test_pacerd_worker_process_stops_on_sigterm(
             if process.returncode is None:
                 process.kill()
     assert any(b"worker_signal" in line and b"SIGTERM" in line for line in lines)
+    # every line names the instance, as the daemon's do
+    logged = [json.loads(line) for line in lines if line.startswith(b"{")]
+    assert logged
+    assert {entry.get("instance") for entry in logged} == {"worker-7"}
 
 
 class TextLines:
