@@ -163,6 +163,18 @@ class Trace:
     penalty: int = 0  # calls refused while the penalty box was closed
     end: float = 0.0  # when the run ended (drain: the last accepted call)
     in_ra: float = math.nan  # releases inside an advertised Retry-After window
+    # pacerd's persisted pacer state every 0.25 s: (s after the start, rate, ceiling, epoch)
+    pacer: list[tuple[float, float, float | None, int]] = field(default_factory=list)
+
+
+def per_second(tr: Trace) -> list[tuple[int, int]]:
+    """(accepted, refused) calls in each second of the run."""
+    n = max(1, math.ceil(max(tr.t, default=0.0)) + 1)
+    out = [[0, 0] for _ in range(n)]
+    for t, ok in zip(tr.t, tr.ok, strict=True):
+        if t >= 0:
+            out[int(t)][0 if ok else 1] += 1
+    return [(a, r) for a, r in out]
 
 
 def metrics(plan: Plan, tr: Trace) -> dict[str, float]:
@@ -459,16 +471,33 @@ async def run_pacerd(dsn: str, plan: Plan) -> Trace:
         await conn.execute("SELECT pacerd.resume($1)", common.DESTINATION)
         done = asyncio.Event()
         driver = asyncio.create_task(drive_capacity(plan, up, t0, done))
+        states: list[tuple[float, float, float | None, int]] = []
         while not driver.done():
+            raw = await conn.fetchval(
+                "SELECT pacer_state FROM pacerd.destinations WHERE destination = $1",
+                common.DESTINATION,
+            )
+            st = (json.loads(raw) if isinstance(raw, str) else raw or {}).get("pacer")
+            if st:
+                ceiling = st.get("ceiling")
+                states.append(
+                    (
+                        round(time.time() - t0, 2),
+                        round(st["rate"], 1),
+                        None if ceiling is None else round(ceiling, 1),
+                        st.get("epoch", 0),
+                    )
+                )
             if plan.backlog is not None and not await conn.fetchval(
                 "SELECT count(*) FROM pacerd.jobs WHERE state <> 'completed'"
             ):
                 done.set()
             if daemon.poll() is not None:
                 raise RuntimeError(f"the daemon exited with {daemon.returncode}")
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.25)
         end = await driver
         tr = await asyncio.to_thread(trace_from, up, t0, end)
+        tr.pacer = states
         tr.in_ra = float(await releases_in_retry_after(conn))
         return tr
     finally:
@@ -635,17 +664,20 @@ async def measure(args: argparse.Namespace) -> str:
         raise SystemExit(f"cannot create the RabbitMQ vhost {VHOST} (rabbitmqctl)")
     dsn = await common.fresh_ledger(DB)
     rows: list[list[object]] = []
-    results: dict[str, dict[str, dict[str, float]]] = {}
+    results: dict[str, dict[str, Any]] = {}
     try:
         for plan in chosen:
             load = uptime()
             print(f"{plan.key}: pacerd (load {load})", file=sys.stderr, flush=True)
-            got = {"pacerd": metrics(plan, await run_pacerd(dsn, plan))}
-            got["sim"] = metrics(plan, await asyncio.to_thread(run_sim, plan, args.seed))
+            traces = {"pacerd": await run_pacerd(dsn, plan)}
+            traces["sim"] = await asyncio.to_thread(run_sim, plan, args.seed)
             if not args.no_peer:
                 print(f"{plan.key}: botocore", file=sys.stderr, flush=True)
-                got["botocore"] = metrics(plan, await asyncio.to_thread(run_botocore, plan))
-            results[plan.key] = got
+                traces["botocore"] = await asyncio.to_thread(run_botocore, plan)
+            got = {who: metrics(plan, tr) for who, tr in traces.items()}
+            results[plan.key] = {"load": load, "metrics": got}
+            results[plan.key]["per_second"] = {who: per_second(tr) for who, tr in traces.items()}
+            results[plan.key]["pacer"] = traces["pacerd"].pacer
             for who, m in got.items():
                 rows.append([plan.key, who, *(m.get(c, math.nan) for c in COLUMNS), load])
     finally:

@@ -18,34 +18,48 @@ The law, per destination:
   ``sent * (1 - refused/outcomes)``; the rate is cut to ``estimate * (1 -
   decrease_margin)``, and so is the remembered *ceiling*: every cut has that
   proportional part, which is what brings senders sharing an upstream to equal
-  shares (their refusal counts, not their rates, set the rest of it). A heavy
-  episode (refusal ratio above ``HEAVY_RATIO``, or the end of slow start) means
-  the window mixes outcomes from before and after a capacity change, so its
-  estimate is only an upper bound: the rate drops to the floor and, while the
-  stale outcomes of that round trip arrive, is raised back to just under what
-  they measure (never compounding: it only moves up). No cut goes below
-  ``decrease_factor * rate``.
+  shares (their refusal counts, not their rates, set the rest of it). When the
+  upstream accepted, in the window, at least ``STEADY_DELIVERY`` of the rate it
+  delivered on average before, the bottleneck did not change inside the window
+  and was saturated: what it accepted per second *is* its capacity (a token
+  bucket's refill rate), whatever share was refused — work queued at the
+  workers may reach it in bursts — so the estimate is at least that accepted
+  rate, and the episode is never heavy. Otherwise a heavy episode (refusal
+  ratio above ``HEAVY_RATIO``, or the end of slow start) means the window
+  mixes outcomes from before and after a capacity drop, so its estimate is
+  only an upper bound: the rate drops to the floor and, while the stale
+  outcomes of that round trip arrive, is raised back to just under what they
+  measure (never compounding: it only moves up). No cut goes below
+  ``decrease_factor * rate``. A cut that is not heavy remembers the rate it
+  cut from (``w_max``, as CUBIC does).
 - **Increase.** Only on a clean window of a tick that used its whole budget (an
-  idle or app-limited destination does not grow): ``+increase_step`` jobs/s per
-  round trip — the same absolute step on every instance, so instances sharing
-  an upstream converge to equal shares. The round trip is measured (from a cut
-  to its first fresh outcomes) and is at least one tick: like TCP's per-RTT
-  increase, this keeps the cost of a probe (refusals per overshoot) independent
-  of the tick length and of the upstream's latency. Before a destination's
-  first episode it grows ``slow_start_factor`` per round trip, never faster than
-  that factor times the accepted rate; it ends on a window with enough
-  evidence (``refusal_min_count / refusal_threshold`` outcomes, or a heavy
-  window with ``START_MIN_FACTOR * refusal_min_count`` refusals: a few
-  refusals in a small sample may be another sender's probe). A refusal below
-  the episode threshold while at or above the ceiling holds the rate and voids
-  the evidence of growth below (the upstream was empty just then).
+  idle or app-limited destination does not grow). Below ``w_max * (1 -
+  decrease_margin)`` (after a cut that was not heavy) or below the ceiling's
+  margin, concavely: half the way back per round trip, so a cut that a burst of
+  refusals made too deep is undone in a few round trips. Then ``+increase_step``
+  jobs/s per round trip — the same absolute step on every instance, so instances
+  sharing an upstream converge to equal shares. The round trip is measured (from
+  a cut to its first fresh outcomes) and is at least one tick: like TCP's
+  per-RTT increase, this keeps the cost of a probe (refusals per overshoot)
+  independent of the tick length and of the upstream's latency. Before a
+  destination's first episode it grows ``slow_start_factor`` per round trip,
+  never faster than that factor times the accepted rate; it ends on a window
+  with enough evidence (``refusal_min_count / refusal_threshold`` outcomes, or a
+  heavy window with ``START_MIN_FACTOR * refusal_min_count`` refusals: a few
+  refusals in a small sample may be another sender's probe). A refusal below the
+  episode threshold while at or above the ceiling holds the rate and voids the
+  evidence of growth below (the upstream was empty just then).
 - **Stale ceiling.** A token-bucket upstream can absorb, unrefused, what the
   destination left unused since the bucket was last seen empty (``saved``).
   When the volume sent above the ceiling (``surplus``) exceeds that by twice
   the slack (a round trip of outcomes on their way and the estimate's error;
   twice, so that another sender's brief cut is not taken for growth), the
   capacity has grown: the increase then doubles every round trip until the
-  next episode.
+  next episode. After ``PLATEAU_RTTS`` clean round trips at the ceiling since
+  the last cut the law probes past it the same way, so a capacity that came
+  back is found within a few round trips (CUBIC's convex region). A ladder's
+  step never exceeds ``LADDER_MAX`` of the rate: a probe overshoots by about
+  its last step, a round trip before its refusals come back.
 - **Retry-After.** The destination is closed until it passes (the ledger holds
   the deadline, ``cooldown_remaining_s``); the ceiling is remembered from the
   delivered rate; on reopening the rate is ``ceiling_resume_fraction`` of it and
@@ -76,6 +90,10 @@ STALE_HORIZON_S = 30.0  # horizon of the ceiling's error when testing it for sta
 LIVE_PACE = 0.95  # live jobs are published at this fraction of the ceiling's pace
 DELIVERED_TICKS = 2.0  # time constant of the delivered-rate average, in ticks
 START_MIN_FACTOR = 4  # a heavy window ends slow start with this many x refusal_min_count
+STEADY_DELIVERY = 0.8  # a heavy window whose accepted rate kept this share of the delivered
+# average measured a steady bottleneck: its estimate is the capacity, not a bound
+PLATEAU_RTTS = 4.0  # clean round trips at the ceiling before probing past it with a ladder
+LADDER_MAX = 0.25  # the largest ladder step, as a share of the rate
 _MONOTONIC = ("last_tick", "deadline")  # never persisted
 
 
@@ -167,6 +185,7 @@ class PacerState:
     hold_s: float = 0.0  # no growth for this long (after a Retry-After)
     cooling: bool = False  # closed by a Retry-After
     delivered: float = 0.0  # average accepted rate
+    w_max: float = 0.0  # the rate at the last cut: regrown to concavely, then probed past
 
     def to_dict(self) -> dict[str, float | int | bool | None]:
         """JSON-able, without the monotonic timestamps (not portable across hosts)."""
@@ -341,7 +360,7 @@ def update_rate(
     if state.episode:
         state = _refine(state, window, p)
         if episode:
-            return _cut(state, f_ref, f_n, sent, p)
+            return _cut(state, f_ref, f_n, sent, p, accepted_rate, delivered_before)
         if f_n == 0:
             return state
         rtt, seen = state.round_trip_s, state.since_cut_s
@@ -353,7 +372,7 @@ def update_rate(
             _heavy(f_ref, f_n, p) and f_ref >= START_MIN_FACTOR * p.refusal_min_count
         )
     if episode:
-        state = _cut(state, f_ref, f_n, sent, p)
+        state = _cut(state, f_ref, f_n, sent, p, accepted_rate, delivered_before)
         if demand is None:  # a leader's first tick: the bucket may have refilled
             state = replace(state, saved=(state.ceiling or 0.0) * interval)
         return state
@@ -370,17 +389,31 @@ def _heavy(refused: int, outcomes: int, p: PacingParams) -> bool:
 
 
 def _cut(
-    state: PacerState, refused: int, outcomes: int, sent: float, p: PacingParams
+    state: PacerState,
+    refused: int,
+    outcomes: int,
+    sent: float,
+    p: PacingParams,
+    accepted_rate: float = 0.0,
+    delivered_before: float = 0.0,
 ) -> PacerState:
     est = max(p.min_rate, sent * (1.0 - refused / outcomes))
-    heavy = _heavy(refused, outcomes, p) or (
-        state.ceiling is None and refused >= HEAVY_MIN_FACTOR * p.refusal_min_count
+    # a saturated bottleneck that delivered as much as before (no capacity drop
+    # inside the window): what it accepted is its capacity, whatever the share
+    # refused (work queued at the workers may arrive in bursts)
+    steady = delivered_before > 0 and accepted_rate >= STEADY_DELIVERY * delivered_before
+    if steady:
+        est = max(est, min(accepted_rate, sent))
+    heavy = not steady and (
+        _heavy(refused, outcomes, p)
+        or (state.ceiling is None and refused >= HEAVY_MIN_FACTOR * p.refusal_min_count)
     )
     target = p.decrease_factor * state.rate if heavy else est * (1.0 - p.decrease_margin)
     rate = min(state.rate, max(target, p.decrease_factor * state.rate))
     return replace(
         state,
         rate=_clamp(rate, p),
+        w_max=0.0 if heavy else min(state.rate, sent),
         ceiling=est if heavy else est * (1.0 - p.decrease_margin),
         firm=not heavy,
         epoch=state.epoch + 1,
@@ -435,18 +468,18 @@ def _grow(state: PacerState, dt: float, accepted_rate: float, p: PacingParams) -
     ladder = state.ladder
     if state.hold_s > 0:
         pass  # after a Retry-After: stay just under the remembered ceiling
-    elif ladder > 0:
-        ladder *= 2.0 ** (dt / rtt)
-        rate += ladder * dt / rtt
-    elif state.surplus > state.saved + 2.0 * slack and rate > c * (
-        1.0 if state.firm else SOFT_FACTOR
-    ):
-        ladder = step  # the ceiling is stale: the upstream has grown
+    elif ladder > 0:  # capped: a probe overshoots by its last step
+        ladder = min(ladder * 2.0 ** (dt / rtt), LADDER_MAX * rate)
+        rate += min(ladder * dt / rtt, LADDER_MAX * rate)
+    elif rate < (goal := max(low, state.w_max * (1.0 - m))):
+        # concave: half the way back to where the refusals began, per round trip
+        rate = min(goal, rate + max(step, (goal - rate) * min(1.0, dt / (2.0 * rtt))))
+    elif (
+        state.surplus > state.saved + 2.0 * slack
+        and rate > c * (1.0 if state.firm else SOFT_FACTOR)
+    ) or (rate >= c and state.since_cut_s >= PLATEAU_RTTS * rtt):
+        ladder = step  # the ceiling is stale, or has held long enough: probe past it
         rate += ladder
-    elif rate < low and not state.firm:
-        rate = min(low, rate + 2.0 * step)
-    elif rate < low:
-        rate = min(low, rate + max(step, (low - rate) * min(1.0, dt / (2.0 * rtt))))
     elif rate < c:
         rate = min(c, rate + step)
     else:
