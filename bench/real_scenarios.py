@@ -421,6 +421,7 @@ def pacerd_env(dsn: str, plan: Plan, upstream_url: str) -> dict[str, str]:
         "PACERD_PACING__TICK_SECONDS": "1.0",
         "PACERD_PACING__INITIAL_RATE": str(plan.initial_rate),
         "PACERD_DAEMON__INSTANCE_NAME": "bench-real",
+        "PACERD_DAEMON__SHUTDOWN_GRACE_SECONDS": "2",
         "PACERD_TELEMETRY__LOG_LEVEL": "warning",
         "PACERD_TELEMETRY__LOG_FORMAT": "json",
         "OTEL_TRACES_EXPORTER": "none",
@@ -501,8 +502,7 @@ async def run_pacerd(dsn: str, plan: Plan) -> Trace:
         tr.in_ra = float(await releases_in_retry_after(conn))
         return tr
     finally:
-        for proc in procs[::-1]:
-            await asyncio.to_thread(common.stop_process, proc)
+        await asyncio.gather(*(asyncio.to_thread(common.stop_process, p) for p in procs))
         await asyncio.to_thread(up.close)
         await conn.close()
 

@@ -92,7 +92,7 @@ DELIVERED_TICKS = 2.0  # time constant of the delivered-rate average, in ticks
 START_MIN_FACTOR = 4  # a heavy window ends slow start with this many x refusal_min_count
 STEADY_DELIVERY = 0.8  # a heavy window whose accepted rate kept this share of the delivered
 # average measured a steady bottleneck: its estimate is the capacity, not a bound
-PLATEAU_RTTS = 4.0  # clean round trips at the ceiling before probing past it with a ladder
+PLATEAU_RTTS = 8.0  # clean round trips at the ceiling before probing past it with a ladder
 LADDER_MAX = 0.25  # the largest ladder step, as a share of the rate
 _MONOTONIC = ("last_tick", "deadline")  # never persisted
 

@@ -330,7 +330,7 @@ def test_a_held_ceiling_is_probed_after_a_plateau_with_a_capped_ladder() -> None
     # plateau of clean round trips the law probes past it, faster and faster
     state = replace(at_ceiling(rate=100.0, ceiling=100.0), since_cut_s=0.0)
     rates, budget = [state.rate], 100
-    for _ in range(10):
+    for _ in range(int(pacer.PLATEAU_RTTS) + 6):
         state, plan = run(state, OutcomeWindow(accepted=100, accepted_fresh=100), full(budget))
         rates.append(state.rate)
         budget = plan.budget
