@@ -33,9 +33,9 @@ The law, per destination:
   ``decrease_factor * rate``. A cut that is not heavy remembers the rate it
   cut from (``w_max``, as CUBIC does).
 - **Increase.** Only on a clean window of a tick that used its whole budget (an
-  idle or app-limited destination does not grow). Below ``w_max * (1 -
-  decrease_margin)`` (after a cut that was not heavy) or below the ceiling's
-  margin, concavely: half the way back per round trip, so a cut that a burst of
+  idle or app-limited destination does not grow). Below ``REGROW_SHARE *
+  w_max`` (after a cut that was not heavy) or below the ceiling's margin,
+  concavely: half the way back per round trip, so a cut that a burst of
   refusals made too deep is undone in a few round trips. Then ``+increase_step``
   jobs/s per round trip — the same absolute step on every instance, so instances
   sharing an upstream converge to equal shares. The round trip is measured (from
@@ -55,11 +55,9 @@ The law, per destination:
   the slack (a round trip of outcomes on their way and the estimate's error;
   twice, so that another sender's brief cut is not taken for growth), the
   capacity has grown: the increase then doubles every round trip until the
-  next episode. After ``PLATEAU_RTTS`` clean round trips at the ceiling since
-  the last cut the law probes past it the same way, so a capacity that came
-  back is found within a few round trips (CUBIC's convex region). A ladder's
-  step never exceeds ``LADDER_MAX`` of the rate: a probe overshoots by about
-  its last step, a round trip before its refusals come back.
+  next episode. A ladder's step never exceeds ``LADDER_MAX`` of the rate: a
+  probe overshoots by about its last step, a round trip before its refusals
+  come back.
 - **Retry-After.** The destination is closed until it passes (the ledger holds
   the deadline, ``cooldown_remaining_s``); the ceiling is remembered from the
   delivered rate; on reopening the rate is ``ceiling_resume_fraction`` of it and
@@ -92,8 +90,8 @@ DELIVERED_TICKS = 2.0  # time constant of the delivered-rate average, in ticks
 START_MIN_FACTOR = 4  # a heavy window ends slow start with this many x refusal_min_count
 STEADY_DELIVERY = 0.8  # a heavy window whose accepted rate kept this share of the delivered
 # average measured a steady bottleneck: its estimate is the capacity, not a bound
-PLATEAU_RTTS = 8.0  # clean round trips at the ceiling before probing past it with a ladder
 LADDER_MAX = 0.25  # the largest ladder step, as a share of the rate
+REGROW_SHARE = 0.9  # after a cut, regrow concavely to this share of the rate cut from
 _MONOTONIC = ("last_tick", "deadline")  # never persisted
 
 
@@ -471,14 +469,13 @@ def _grow(state: PacerState, dt: float, accepted_rate: float, p: PacingParams) -
     elif ladder > 0:  # capped: a probe overshoots by its last step
         ladder = min(ladder * 2.0 ** (dt / rtt), LADDER_MAX * rate)
         rate += min(ladder * dt / rtt, LADDER_MAX * rate)
-    elif rate < (goal := max(low, state.w_max * (1.0 - m))):
+    elif rate < (goal := max(low, REGROW_SHARE * state.w_max)):
         # concave: half the way back to where the refusals began, per round trip
         rate = min(goal, rate + max(step, (goal - rate) * min(1.0, dt / (2.0 * rtt))))
-    elif (
-        state.surplus > state.saved + 2.0 * slack
-        and rate > c * (1.0 if state.firm else SOFT_FACTOR)
-    ) or (rate >= c and state.since_cut_s >= PLATEAU_RTTS * rtt):
-        ladder = step  # the ceiling is stale, or has held long enough: probe past it
+    elif state.surplus > state.saved + 2.0 * slack and rate > c * (
+        1.0 if state.firm else SOFT_FACTOR
+    ):
+        ladder = step  # the ceiling is stale: the upstream has grown
         rate += ladder
     elif rate < c:
         rate = min(c, rate + step)
