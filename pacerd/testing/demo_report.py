@@ -106,7 +106,7 @@ def step_up_recovery(schedule: CapacitySchedule, history: Sequence[Sample]) -> f
         after = [s for s in history if s.t >= t1]
         if not after or after[0].due == 0:
             continue
-        hit = next((s.t for s in after if s.accepted >= STEP_UP_SHARE * s.capacity), math.inf)
+        hit = next((s.t for s in after if s.accepted >= STEP_UP_SHARE * r1), math.inf)
         took = hit + 1.0 - t1  # the end of the first good second
         worst = took if worst is None else max(worst, took)
     return worst
