@@ -14,28 +14,34 @@ The law, per destination:
   refusal_threshold * fresh outcomes)``. Refusals of jobs admitted before the
   last cut never cut again: one cut per round trip. A Retry-After is always an
   episode.
-- **Cut.** The capacity estimate is the accepted rate of what was sent,
-  ``sent * (1 - refused/outcomes)``; the rate is cut to ``estimate * (1 -
+- **Cut.** The capacity estimate is the accepted rate of what was sent, ``sent *
+  (1 - refused/outcomes)``; the rate is cut to ``estimate * (1 -
   decrease_margin)``, and so is the remembered *ceiling*: every cut has that
   proportional part, which is what brings senders sharing an upstream to equal
   shares (their refusal counts, not their rates, set the rest of it). When the
   upstream accepted, in the window, at least ``STEADY_DELIVERY`` of the rate it
   delivered on average before, the bottleneck did not change inside the window
-  and was saturated: what it accepted per second *is* its capacity (a token
-  bucket's refill rate), whatever share was refused — work queued at the
-  workers may reach it in bursts — so the estimate is at least that accepted
-  rate, and the episode is never heavy. Otherwise a heavy episode (refusal
-  ratio above ``HEAVY_RATIO``, or the end of slow start) means the window
-  mixes outcomes from before and after a capacity drop, so its estimate is
-  only an upper bound: the rate drops to the floor and, while the stale
-  outcomes of that round trip arrive, is raised back to just under what they
-  measure (never compounding: it only moves up). No cut goes below
-  ``decrease_factor * rate``. A cut that is not heavy remembers the rate it
-  cut from (``w_max``, as CUBIC does).
+  and was saturated: what it accepted per second (the delivered average, as
+  outcomes come in batches) *is* its capacity (a token bucket's refill rate),
+  whatever share was refused — work queued at the workers may reach it in bursts
+  — so the estimate is at least that accepted rate, and the episode is never
+  heavy. Otherwise a heavy episode (refusal ratio above ``HEAVY_RATIO``, or the
+  end of slow start) means the window mixes outcomes from before and after a
+  capacity drop, so its estimate is only an upper bound: the rate drops to the
+  floor and, while the stale outcomes of that round trip arrive, is raised back
+  to just under what they measure (never compounding: it only moves up). No cut
+  goes below ``decrease_factor * rate``. A cut that is not heavy but goes under
+  ``DEEP_CUT`` of what was sent remembers the rate it cut from (``w_max``, as
+  CUBIC does).
 - **Increase.** Only on a clean window of a tick that used its whole budget (an
-  idle or app-limited destination does not grow). Below ``REGROW_SHARE *
-  w_max`` (after a cut that was not heavy) or below the ceiling's margin,
-  concavely: half the way back per round trip, so a cut that a burst of
+  idle or app-limited destination does not grow) and admitted at least
+  ``LOOP_SHARE`` of the rate over the time since the previous tick (a loop that
+  runs late on a busy host skips ticks: what it released is not the rate, and
+  growing on it runs the rate far ahead of what leaves), and while no more than
+  ``INFLIGHT_RTTS`` round trips of the rate are in flight (work that piles up
+  before slow workers reaches the upstream later, whatever the rate). Below
+  ``REGROW_SHARE * w_max`` (after such a deep cut) or below the ceiling's
+  margin, concavely: half the way back per round trip, so a cut that a burst of
   refusals made too deep is undone in a few round trips. Then ``+increase_step``
   jobs/s per round trip — the same absolute step on every instance, so instances
   sharing an upstream converge to equal shares. The round trip is measured (from
@@ -91,7 +97,11 @@ START_MIN_FACTOR = 4  # a heavy window ends slow start with this many x refusal_
 STEADY_DELIVERY = 0.8  # a heavy window whose accepted rate kept this share of the delivered
 # average measured a steady bottleneck: its estimate is the capacity, not a bound
 LADDER_MAX = 0.25  # the largest ladder step, as a share of the rate
-REGROW_SHARE = 0.9  # after a cut, regrow concavely to this share of the rate cut from
+INFLIGHT_RTTS = 2.0  # in flight beyond this many round trips of the rate: no growth
+LOOP_SHARE = 0.8  # a tick that admitted less than this share of rate x time since the last one
+# (the loop ran late: ticks were skipped) is no evidence for growth
+REGROW_SHARE = 0.9  # after a deep cut, regrow concavely to this share of the rate cut from
+DEEP_CUT = 0.7  # ... a cut to under this share of what was sent, on a window that was not heavy
 _MONOTONIC = ("last_tick", "deadline")  # never persisted
 
 
@@ -300,6 +310,7 @@ def update_rate(
     params: PacingParams,
     cooldown_remaining_s: float = 0.0,
     paused: bool = False,
+    inflight: int = 0,
 ) -> PacerState:
     """The law's step: the state after this tick's window (budget untouched)."""
     p, m = params, params.decrease_margin
@@ -376,6 +387,11 @@ def update_rate(
         return state
     if paused or not _has_demand(demand):
         return state
+    assert demand is not None
+    if demand.admitted + 1 < LOOP_SHARE * state.rate * max(0.0, now - state.last_tick):
+        return state  # the loop ran late and released less than the rate: do not grow on it
+    if inflight > INFLIGHT_RTTS * state.rate * max(p.tick_seconds, state.round_trip_s):
+        return state  # work piles up before the upstream (slow workers): do not add to it
     if f_ref > 0 and state.ceiling is not None and state.rate >= state.ceiling:
         # refusals under the threshold: hold, do not grow into them
         return replace(state, ladder=0.0, saved=0.0, surplus=0.0)
@@ -400,8 +416,8 @@ def _cut(
     # inside the window): what it accepted is its capacity, whatever the share
     # refused (work queued at the workers may arrive in bursts)
     steady = delivered_before > 0 and accepted_rate >= STEADY_DELIVERY * delivered_before
-    if steady:
-        est = max(est, min(accepted_rate, sent))
+    if steady:  # outcomes are reported in batches: trust the average, not one window
+        est = max(est, min(accepted_rate, sent, state.delivered))
     heavy = not steady and (
         _heavy(refused, outcomes, p)
         or (state.ceiling is None and refused >= HEAVY_MIN_FACTOR * p.refusal_min_count)
@@ -411,7 +427,7 @@ def _cut(
     return replace(
         state,
         rate=_clamp(rate, p),
-        w_max=0.0 if heavy else min(state.rate, sent),
+        w_max=min(state.rate, sent) if not heavy and est < DEEP_CUT * sent else 0.0,
         ceiling=est if heavy else est * (1.0 - p.decrease_margin),
         firm=not heavy,
         epoch=state.epoch + 1,
@@ -550,6 +566,7 @@ def plan_tick(
         params=params,
         cooldown_remaining_s=cooldown_remaining_s,
         paused=paused,
+        inflight=inflight,
     )
     return tick_budget(
         state,

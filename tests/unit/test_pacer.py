@@ -325,6 +325,28 @@ def test_after_a_cut_the_rate_grows_back_concavely_to_where_refusals_began() -> 
     assert rates[-1] <= pacer.REGROW_SHARE * 100.0 + 1e-9  # not past it yet
 
 
+def test_a_late_loop_that_released_less_than_the_rate_does_not_grow() -> None:
+    # the previous tick ran 4 s ago: the budget covered 2 s (missed ticks are
+    # skipped), so 200 jobs left in 4 s at a rate of 100/s
+    state = at_ceiling(rate=100.0, ceiling=90.0)
+    late, _ = run(state, OutcomeWindow(accepted=200, accepted_fresh=200), full(200), dt=4.0)
+    assert late.rate == 100.0
+    on_time, _ = run(state, OutcomeWindow(accepted=100, accepted_fresh=100), full(100))
+    assert on_time.rate > 100.0
+    slow_start = replace(initial_state(P, now=T0), rate=100.0)
+    late, _ = run(slow_start, OutcomeWindow(accepted=200, accepted_fresh=200), full(200), dt=4.0)
+    assert late.rate == 100.0
+
+
+def test_no_growth_while_work_piles_up_in_flight() -> None:
+    state = at_ceiling(rate=100.0, ceiling=90.0)
+    window = OutcomeWindow(accepted=100, accepted_fresh=100)
+    piled, _ = run(state, window, full(100), inflight=500)  # 5 s of the rate in flight
+    assert piled.rate == 100.0
+    flowing, _ = run(state, window, full(100), inflight=150)
+    assert flowing.rate > 100.0
+
+
 def test_a_ladder_never_adds_more_than_its_cap_in_one_tick() -> None:
     state = replace(at_ceiling(rate=100.0, ceiling=60.0), ladder=80.0)
     state, _ = run(state, OutcomeWindow(accepted=100, accepted_fresh=100), full(100), dt=2.0)
