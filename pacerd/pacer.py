@@ -14,47 +14,37 @@ The law, per destination:
   refusal_threshold * fresh outcomes)``. Refusals of jobs admitted before the
   last cut never cut again: one cut per round trip. A Retry-After is always an
   episode.
-- **Cut.** The capacity estimate is the accepted rate of what was sent, ``sent *
-  (1 - refused/outcomes)``; the rate is cut to ``estimate * (1 -
+- **Cut.** The capacity estimate is the accepted rate of what was sent,
+  ``sent * (1 - refused/outcomes)``; the rate is cut to ``estimate * (1 -
   decrease_margin)``, and so is the remembered *ceiling*: every cut has that
   proportional part, which is what brings senders sharing an upstream to equal
-  shares (their refusal counts, not their rates, set the rest of it). When the
-  upstream accepted, in the window, at least ``STEADY_DELIVERY`` of the rate it
-  delivered on average before, the bottleneck did not change inside the window
-  and was saturated: what it accepted per second (the delivered average, as
-  outcomes come in batches) *is* its capacity (a token bucket's refill rate),
-  whatever share was refused — work queued at the workers may reach it in bursts
-  — so the estimate is at least that accepted rate, and the episode is never
-  heavy. Otherwise a heavy episode (refusal ratio above ``HEAVY_RATIO``, or the
-  end of slow start) means the window mixes outcomes from before and after a
-  capacity drop, so its estimate is only an upper bound: the rate drops to the
-  floor and, while the stale outcomes of that round trip arrive, is raised back
-  to just under what they measure (never compounding: it only moves up). No cut
-  goes below ``decrease_factor * rate``. A cut that is not heavy but goes under
-  ``DEEP_CUT`` of what was sent remembers the rate it cut from (``w_max``, as
-  CUBIC does).
+  shares (their refusal counts, not their rates, set the rest of it). A heavy
+  episode (refusal ratio above ``HEAVY_RATIO``, or the end of slow start) means
+  the window mixes outcomes from before and after a capacity change, so its
+  estimate is only an upper bound: the rate drops to the floor and, while the
+  stale outcomes of that round trip arrive, is raised back to just under what
+  they measure (never compounding: it only moves up). No cut goes below
+  ``decrease_factor * rate``.
 - **Increase.** Only on a clean window of a tick that used its whole budget (an
-  idle or app-limited destination does not grow) and admitted at least
+  idle or app-limited destination does not grow), that admitted at least
   ``LOOP_SHARE`` of the rate over the time since the previous tick (a loop that
   runs late on a busy host skips ticks: what it released is not the rate, and
   growing on it runs the rate far ahead of what leaves), and while no more than
-  ``INFLIGHT_RTTS`` round trips of the rate are in flight (work that piles up
-  before slow workers reaches the upstream later, whatever the rate). Below
-  ``REGROW_SHARE * w_max`` (after such a deep cut) or below the ceiling's
-  margin, concavely: half the way back per round trip, so a cut that a burst of
-  refusals made too deep is undone in a few round trips. Then ``+increase_step``
-  jobs/s per round trip — the same absolute step on every instance, so instances
-  sharing an upstream converge to equal shares. The round trip is measured (from
-  a cut to its first fresh outcomes) and is at least one tick: like TCP's
-  per-RTT increase, this keeps the cost of a probe (refusals per overshoot)
-  independent of the tick length and of the upstream's latency. Before a
-  destination's first episode it grows ``slow_start_factor`` per round trip,
-  never faster than that factor times the accepted rate; it ends on a window
-  with enough evidence (``refusal_min_count / refusal_threshold`` outcomes, or a
-  heavy window with ``START_MIN_FACTOR * refusal_min_count`` refusals: a few
-  refusals in a small sample may be another sender's probe). A refusal below the
-  episode threshold while at or above the ceiling holds the rate and voids the
-  evidence of growth below (the upstream was empty just then).
+  ``INFLIGHT_RTTS`` round trips of the rate are in flight (work piled up before
+  slow workers reaches the upstream later, whatever the rate):
+  ``+increase_step`` jobs/s per round trip — the same absolute step on every
+  instance, so instances sharing an upstream converge to equal shares. The round
+  trip is measured (from a cut to its first fresh outcomes) and is at least one
+  tick: like TCP's per-RTT increase, this keeps the cost of a probe (refusals
+  per overshoot) independent of the tick length and of the upstream's latency.
+  Before a destination's first episode it grows ``slow_start_factor`` per round
+  trip, never faster than that factor times the accepted rate; it ends on a
+  window with enough evidence (``refusal_min_count / refusal_threshold``
+  outcomes, or a heavy window with ``START_MIN_FACTOR * refusal_min_count``
+  refusals: a few refusals in a small sample may be another sender's probe). A
+  refusal below the episode threshold while at or above the ceiling holds the
+  rate and voids the evidence of growth below (the upstream was empty just
+  then).
 - **Stale ceiling.** A token-bucket upstream can absorb, unrefused, what the
   destination left unused since the bucket was last seen empty (``saved``).
   When the volume sent above the ceiling (``surplus``) exceeds that by twice
@@ -94,14 +84,10 @@ STALE_HORIZON_S = 30.0  # horizon of the ceiling's error when testing it for sta
 LIVE_PACE = 0.95  # live jobs are published at this fraction of the ceiling's pace
 DELIVERED_TICKS = 2.0  # time constant of the delivered-rate average, in ticks
 START_MIN_FACTOR = 4  # a heavy window ends slow start with this many x refusal_min_count
-STEADY_DELIVERY = 0.8  # a heavy window whose accepted rate kept this share of the delivered
-# average measured a steady bottleneck: its estimate is the capacity, not a bound
 LADDER_MAX = 0.25  # the largest ladder step, as a share of the rate
 INFLIGHT_RTTS = 2.0  # in flight beyond this many round trips of the rate: no growth
 LOOP_SHARE = 0.8  # a tick that admitted less than this share of rate x time since the last one
 # (the loop ran late: ticks were skipped) is no evidence for growth
-REGROW_SHARE = 0.9  # after a deep cut, regrow concavely to this share of the rate cut from
-DEEP_CUT = 0.7  # ... a cut to under this share of what was sent, on a window that was not heavy
 _MONOTONIC = ("last_tick", "deadline")  # never persisted
 
 
@@ -193,7 +179,6 @@ class PacerState:
     hold_s: float = 0.0  # no growth for this long (after a Retry-After)
     cooling: bool = False  # closed by a Retry-After
     delivered: float = 0.0  # average accepted rate
-    w_max: float = 0.0  # the rate at the last cut: regrown to concavely, then probed past
 
     def to_dict(self) -> dict[str, float | int | bool | None]:
         """JSON-able, without the monotonic timestamps (not portable across hosts)."""
@@ -369,7 +354,7 @@ def update_rate(
     if state.episode:
         state = _refine(state, window, p)
         if episode:
-            return _cut(state, f_ref, f_n, sent, p, accepted_rate, delivered_before)
+            return _cut(state, f_ref, f_n, sent, p)
         if f_n == 0:
             return state
         rtt, seen = state.round_trip_s, state.since_cut_s
@@ -381,7 +366,7 @@ def update_rate(
             _heavy(f_ref, f_n, p) and f_ref >= START_MIN_FACTOR * p.refusal_min_count
         )
     if episode:
-        state = _cut(state, f_ref, f_n, sent, p, accepted_rate, delivered_before)
+        state = _cut(state, f_ref, f_n, sent, p)
         if demand is None:  # a leader's first tick: the bucket may have refilled
             state = replace(state, saved=(state.ceiling or 0.0) * interval)
         return state
@@ -403,31 +388,17 @@ def _heavy(refused: int, outcomes: int, p: PacingParams) -> bool:
 
 
 def _cut(
-    state: PacerState,
-    refused: int,
-    outcomes: int,
-    sent: float,
-    p: PacingParams,
-    accepted_rate: float = 0.0,
-    delivered_before: float = 0.0,
+    state: PacerState, refused: int, outcomes: int, sent: float, p: PacingParams
 ) -> PacerState:
     est = max(p.min_rate, sent * (1.0 - refused / outcomes))
-    # a saturated bottleneck that delivered as much as before (no capacity drop
-    # inside the window): what it accepted is its capacity, whatever the share
-    # refused (work queued at the workers may arrive in bursts)
-    steady = delivered_before > 0 and accepted_rate >= STEADY_DELIVERY * delivered_before
-    if steady:  # outcomes are reported in batches: trust the average, not one window
-        est = max(est, min(accepted_rate, sent, state.delivered))
-    heavy = not steady and (
-        _heavy(refused, outcomes, p)
-        or (state.ceiling is None and refused >= HEAVY_MIN_FACTOR * p.refusal_min_count)
+    heavy = _heavy(refused, outcomes, p) or (
+        state.ceiling is None and refused >= HEAVY_MIN_FACTOR * p.refusal_min_count
     )
     target = p.decrease_factor * state.rate if heavy else est * (1.0 - p.decrease_margin)
     rate = min(state.rate, max(target, p.decrease_factor * state.rate))
     return replace(
         state,
         rate=_clamp(rate, p),
-        w_max=min(state.rate, sent) if not heavy and est < DEEP_CUT * sent else 0.0,
         ceiling=est if heavy else est * (1.0 - p.decrease_margin),
         firm=not heavy,
         epoch=state.epoch + 1,
@@ -485,14 +456,15 @@ def _grow(state: PacerState, dt: float, accepted_rate: float, p: PacingParams) -
     elif ladder > 0:  # capped: a probe overshoots by its last step
         ladder = min(ladder * 2.0 ** (dt / rtt), LADDER_MAX * rate)
         rate += min(ladder * dt / rtt, LADDER_MAX * rate)
-    elif rate < (goal := max(low, REGROW_SHARE * state.w_max)):
-        # concave: half the way back to where the refusals began, per round trip
-        rate = min(goal, rate + max(step, (goal - rate) * min(1.0, dt / (2.0 * rtt))))
     elif state.surplus > state.saved + 2.0 * slack and rate > c * (
         1.0 if state.firm else SOFT_FACTOR
     ):
         ladder = step  # the ceiling is stale: the upstream has grown
         rate += ladder
+    elif rate < low and not state.firm:
+        rate = min(low, rate + 2.0 * step)
+    elif rate < low:
+        rate = min(low, rate + max(step, (low - rate) * min(1.0, dt / (2.0 * rtt))))
     elif rate < c:
         rate = min(c, rate + step)
     else:

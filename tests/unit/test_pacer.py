@@ -288,43 +288,6 @@ def test_a_heavy_episode_is_refined_up_by_the_stale_outcomes_of_its_round_trip()
     assert state.ceiling == pytest.approx(100.0 * 30.5 / 101.0)
 
 
-def test_slow_start_ends_at_what_a_steady_bottleneck_accepted_not_at_the_floor() -> None:
-    # slow start overshot a token bucket: it accepted 100/s, as much as it
-    # delivered before, so 100/s is its capacity (not a bound to drop under)
-    state = replace(initial_state(P, now=T0), rate=150.0, delivered=90.0)
-    window = OutcomeWindow(accepted=100, refused=50, accepted_fresh=100, refused_fresh=50)
-    state, _ = run(state, window, full(150))
-    assert state.rate == pytest.approx(100.0 * (1 - P.decrease_margin))
-    assert state.firm
-
-
-def test_refusals_of_work_arriving_in_a_burst_cut_to_the_accepted_rate() -> None:
-    # 150 outcomes in one window at a rate of 100/s: work queued at the workers
-    # arrived at once; 60/s accepted, as much as was delivered before
-    state = replace(at_ceiling(rate=100.0, ceiling=100.0), delivered=60.0)
-    window = OutcomeWindow(accepted=60, refused=90, accepted_fresh=60, refused_fresh=90)
-    state, _ = run(state, window, full(100))
-    assert state.rate == pytest.approx(60.0 * (1 - P.decrease_margin))
-
-
-def test_after_a_cut_the_rate_grows_back_concavely_to_where_refusals_began() -> None:
-    state = replace(at_ceiling(rate=100.0, ceiling=100.0), delivered=60.0)
-    window = OutcomeWindow(accepted=60, refused=90, accepted_fresh=60, refused_fresh=90)
-    state, plan = run(state, window, full(100))
-    cut = state.rate
-    first = OutcomeWindow(accepted=59, accepted_fresh=59)  # closes the round trip
-    state, plan = run(state, first, full(plan.budget))
-    rates = []
-    for _ in range(4):
-        state, plan = run(state, OutcomeWindow(accepted=60, accepted_fresh=60), full(plan.budget))
-        rates.append(state.rate)
-    assert rates[0] - cut > 10 * P.increase_step  # not the additive step
-    gains = [b - a for a, b in itertools.pairwise([cut, *rates])]
-    assert all(b <= a + 1e-9 for a, b in itertools.pairwise(gains))  # concave
-    assert rates[-1] >= 0.85 * 100.0
-    assert rates[-1] <= pacer.REGROW_SHARE * 100.0 + 1e-9  # not past it yet
-
-
 def test_a_late_loop_that_released_less_than_the_rate_does_not_grow() -> None:
     # the previous tick ran 4 s ago: the budget covered 2 s (missed ticks are
     # skipped), so 200 jobs left in 4 s at a rate of 100/s
