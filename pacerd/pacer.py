@@ -26,26 +26,34 @@ The law, per destination:
   they measure (never compounding: it only moves up). No cut goes below
   ``decrease_factor * rate``.
 - **Increase.** Only on a clean window of a tick that used its whole budget (an
-  idle or app-limited destination does not grow): ``+increase_step`` jobs/s per
-  round trip — the same absolute step on every instance, so instances sharing
-  an upstream converge to equal shares. The round trip is measured (from a cut
-  to its first fresh outcomes) and is at least one tick: like TCP's per-RTT
-  increase, this keeps the cost of a probe (refusals per overshoot) independent
-  of the tick length and of the upstream's latency. Before a destination's
-  first episode it grows ``slow_start_factor`` per round trip, never faster than
-  that factor times the accepted rate; it ends on a window with enough
-  evidence (``refusal_min_count / refusal_threshold`` outcomes, or a heavy
-  window with ``START_MIN_FACTOR * refusal_min_count`` refusals: a few
-  refusals in a small sample may be another sender's probe). A refusal below
-  the episode threshold while at or above the ceiling holds the rate and voids
-  the evidence of growth below (the upstream was empty just then).
+  idle or app-limited destination does not grow), that admitted at least
+  ``LOOP_SHARE`` of the rate over the time since the previous tick (a loop that
+  runs late on a busy host skips ticks: what it released is not the rate, and
+  growing on it runs the rate far ahead of what leaves), and while no more than
+  ``INFLIGHT_RTTS`` round trips of the rate are in flight (work piled up before
+  slow workers reaches the upstream later, whatever the rate):
+  ``+increase_step`` jobs/s per round trip — the same absolute step on every
+  instance, so instances sharing an upstream converge to equal shares. The round
+  trip is measured (from a cut to its first fresh outcomes) and is at least one
+  tick: like TCP's per-RTT increase, this keeps the cost of a probe (refusals
+  per overshoot) independent of the tick length and of the upstream's latency.
+  Before a destination's first episode it grows ``slow_start_factor`` per round
+  trip, never faster than that factor times the accepted rate; it ends on a
+  window with enough evidence (``refusal_min_count / refusal_threshold``
+  outcomes, or a heavy window with ``START_MIN_FACTOR * refusal_min_count``
+  refusals: a few refusals in a small sample may be another sender's probe). A
+  refusal below the episode threshold while at or above the ceiling holds the
+  rate and voids the evidence of growth below (the upstream was empty just
+  then).
 - **Stale ceiling.** A token-bucket upstream can absorb, unrefused, what the
   destination left unused since the bucket was last seen empty (``saved``).
   When the volume sent above the ceiling (``surplus``) exceeds that by twice
   the slack (a round trip of outcomes on their way and the estimate's error;
   twice, so that another sender's brief cut is not taken for growth), the
   capacity has grown: the increase then doubles every round trip until the
-  next episode.
+  next episode. A ladder's step never exceeds ``LADDER_MAX`` of the rate: a
+  probe overshoots by about its last step, a round trip before its refusals
+  come back.
 - **Retry-After.** The destination is closed until it passes (the ledger holds
   the deadline, ``cooldown_remaining_s``); the ceiling is remembered from the
   delivered rate; on reopening the rate is ``ceiling_resume_fraction`` of it and
@@ -76,6 +84,10 @@ STALE_HORIZON_S = 30.0  # horizon of the ceiling's error when testing it for sta
 LIVE_PACE = 0.95  # live jobs are published at this fraction of the ceiling's pace
 DELIVERED_TICKS = 2.0  # time constant of the delivered-rate average, in ticks
 START_MIN_FACTOR = 4  # a heavy window ends slow start with this many x refusal_min_count
+LADDER_MAX = 0.25  # the largest ladder step, as a share of the rate
+INFLIGHT_RTTS = 2.0  # in flight beyond this many round trips of the rate: no growth
+LOOP_SHARE = 0.8  # a tick that admitted less than this share of rate x time since the last one
+# (the loop ran late: ticks were skipped) is no evidence for growth
 _MONOTONIC = ("last_tick", "deadline")  # never persisted
 
 
@@ -283,6 +295,7 @@ def update_rate(
     params: PacingParams,
     cooldown_remaining_s: float = 0.0,
     paused: bool = False,
+    inflight: int = 0,
 ) -> PacerState:
     """The law's step: the state after this tick's window (budget untouched)."""
     p, m = params, params.decrease_margin
@@ -359,6 +372,11 @@ def update_rate(
         return state
     if paused or not _has_demand(demand):
         return state
+    assert demand is not None
+    if demand.admitted + 1 < LOOP_SHARE * state.rate * max(0.0, now - state.last_tick):
+        return state  # the loop ran late and released less than the rate: do not grow on it
+    if inflight > INFLIGHT_RTTS * state.rate * max(p.tick_seconds, state.round_trip_s):
+        return state  # work piles up before the upstream (slow workers): do not add to it
     if f_ref > 0 and state.ceiling is not None and state.rate >= state.ceiling:
         # refusals under the threshold: hold, do not grow into them
         return replace(state, ladder=0.0, saved=0.0, surplus=0.0)
@@ -435,9 +453,9 @@ def _grow(state: PacerState, dt: float, accepted_rate: float, p: PacingParams) -
     ladder = state.ladder
     if state.hold_s > 0:
         pass  # after a Retry-After: stay just under the remembered ceiling
-    elif ladder > 0:
-        ladder *= 2.0 ** (dt / rtt)
-        rate += ladder * dt / rtt
+    elif ladder > 0:  # capped: a probe overshoots by its last step
+        ladder = min(ladder * 2.0 ** (dt / rtt), LADDER_MAX * rate)
+        rate += min(ladder * dt / rtt, LADDER_MAX * rate)
     elif state.surplus > state.saved + 2.0 * slack and rate > c * (
         1.0 if state.firm else SOFT_FACTOR
     ):
@@ -520,6 +538,7 @@ def plan_tick(
         params=params,
         cooldown_remaining_s=cooldown_remaining_s,
         paused=paused,
+        inflight=inflight,
     )
     return tick_budget(
         state,

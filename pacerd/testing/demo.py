@@ -402,7 +402,7 @@ async def amain(args: argparse.Namespace, plan: DemoPlan, workdir: Path, output:
     finally:
         await delete_demo_queues(amqp_url, plan)
     chart = output / "pacing.png"
-    await anyio.to_thread.run_sync(report.write_chart, plan, demo.samples, chart)
+    await anyio.to_thread.run_sync(report.write_chart, plan, demo.samples, chart, summary)
     await anyio.to_thread.run_sync(report.write_samples, demo.samples, output / "samples.jsonl")
     report.print_summary(console, plan, summary, chart, database=args.database)
     if demo.failure is not None:

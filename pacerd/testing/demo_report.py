@@ -8,7 +8,9 @@ the ledger); it starts and stops nothing (``demo.py`` does).
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import statistics
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -27,7 +29,7 @@ if TYPE_CHECKING:
 
     from pacerd.client import Client
     from pacerd.testing.demo import DemoPlan
-    from pacerd.testing.upstream import ModelUpstream
+    from pacerd.testing.upstream import CapacitySchedule, ModelUpstream
 
 _SPARKS = " ▁▂▃▄▅▆▇█"
 
@@ -62,6 +64,9 @@ class DestinationSummary:
     due_left: int
     dead: int
     duplicates: int
+    # seconds from a capacity step up to the first second accepting >= 90 % of
+    # the new capacity (the worst step up; None: no step up while work was due)
+    step_up_recovery_s: float | None = None
 
     @property
     def refusal_ratio(self) -> float:
@@ -85,6 +90,26 @@ class DemoSummary:
     @property
     def lost(self) -> int:
         return self.missing + self.completed_without_effect
+
+
+STEP_UP_SHARE = 0.9  # a step up is caught up once a second accepts this share of it
+
+
+def step_up_recovery(schedule: CapacitySchedule, history: Sequence[Sample]) -> float | None:
+    """Seconds from each capacity step up (for a ramp: from where it reaches its
+    new level) to the first second that accepted >= ``STEP_UP_SHARE`` of the
+    capacity, while work was due; the worst of the step ups (inf: never)."""
+    worst: float | None = None
+    for (_, r0), (t1, r1) in itertools.pairwise(schedule.points):
+        if r1 <= r0:
+            continue
+        after = [s for s in history if s.t >= t1]
+        if not after or after[0].due == 0:
+            continue
+        hit = next((s.t for s in after if s.accepted >= STEP_UP_SHARE * r1), math.inf)
+        took = hit + 1.0 - t1  # the end of the first good second
+        worst = took if worst is None else max(worst, took)
+    return worst
 
 
 def json_dumps(value: object) -> str:
@@ -223,6 +248,7 @@ async def summarize(
                 due_left=history[-1].due if history else 0,
                 dead=sum(r["state"] == "dead" for r in mine),
                 duplicates=stats.get("duplicates", 0),
+                step_up_recovery_s=step_up_recovery(d.schedule, history),
             )
         )
     return DemoSummary(
@@ -246,6 +272,7 @@ def print_summary(
         "refused",
         "refusal %",
         "5xx",
+        "90 % after step up",
         "completed",
         "still due",
         "dead",
@@ -260,6 +287,7 @@ def print_summary(
             f"{d.refused:,}",
             f"{d.refusal_ratio:.1%}",
             str(d.errors),
+            _seconds(d.step_up_recovery_s),
             f"{d.completed:,}",
             f"{d.due_left:,}",
             str(d.dead),
@@ -280,6 +308,19 @@ def print_summary(
     console.print(f"chart: {chart}   ledger: database {database!r} (kept for `pacerd show`)")
 
 
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else "never" if math.isinf(value) else f"{value:.0f} s"
+
+
+def headline(d: DestinationSummary) -> str:
+    """The figures the demo promises, in one line (the chart's panel titles)."""
+    util = "-" if d.utilization is None else f"{d.utilization:.0%}"
+    return (
+        f"utilization {util} while due · refused {d.refusal_ratio:.1%}"
+        f" · 90 % after step up {_seconds(d.step_up_recovery_s)}"
+    )
+
+
 def write_samples(samples: Sequence[Sample], path: Path) -> None:
     path.write_text("".join(json_dumps(asdict(s)) + "\n" for s in samples))
 
@@ -292,9 +333,15 @@ def rolling_mean(values: Sequence[float], window: int) -> list[float]:
     return out
 
 
-def write_chart(plan: DemoPlan, samples: Sequence[Sample], path: Path) -> None:
+def write_chart(
+    plan: DemoPlan,
+    samples: Sequence[Sample],
+    path: Path,
+    summary: DemoSummary | None = None,
+) -> None:
     """Per destination: capacity, pacer rate, accepted and refused per second
-    (top), due backlog and oldest-due age (bottom)."""
+    (top, titled with the summary's figures), due backlog and oldest-due age
+    (bottom)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -324,7 +371,8 @@ def write_chart(plan: DemoPlan, samples: Sequence[Sample], path: Path) -> None:
         top.plot(t, accepted, color="tab:green", alpha=0.25, lw=0.8)
         top.plot(t, rolling_mean(accepted, 5), color="tab:green", label="accepted/s (5 s mean)")
         top.bar(t, [s.refused for s in history], color="tab:red", alpha=0.6, label="refused/s")
-        top.set_title(name)
+        figures = {d.destination: d for d in summary.destinations} if summary else {}
+        top.set_title(f"{name}\n{headline(figures[name])}" if name in figures else name)
         top.set_ylabel("calls per second")
         top.legend(loc="upper right", fontsize="small")
         bottom: Any = axes[1][col]

@@ -16,7 +16,9 @@ can be counted. It is a testing tool: the daemon never imports it.
 
 HTTP: ``POST /capacity {"rate": N}`` overrides the schedule (``null`` returns
 to it; ``"error_rate"`` may be set too); ``GET /stats`` returns JSON totals and
-per-second counts; any other request is an API call.
+per-second counts; ``GET /calls?from=K`` every API call from the K-th on as
+``[wall-clock seconds, status, Retry-After or null, refused by the penalty]``;
+any other request is an API call.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from collections import Counter, deque
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from pacerd.clock import SystemClock
+from pacerd.clock import SystemClock, wall_clock_seconds
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -250,6 +252,8 @@ class ModelUpstream:
         self._server: asyncio.Server | None = None
         self._log_task: asyncio.Task[None] | None = None
         self._clients: set[asyncio.StreamWriter] = set()
+        # every API call: (wall-clock seconds, status, Retry-After, penalty refusal)
+        self.calls: list[tuple[float, int, int | None, bool]] = []
 
     @property
     def port(self) -> int:
@@ -330,6 +334,13 @@ class ModelUpstream:
         route = path.split("?", 1)[0]
         if route == "/stats" and method == "GET":
             return 200, {}, self.stats()
+        if route == "/calls" and method == "GET":
+            query = dict(p.partition("=")[::2] for p in path.partition("?")[2].split("&") if p)
+            try:
+                start = max(0, int(query.get("from", "0")))
+            except ValueError:
+                return 400, {}, {"error": "from must be an integer"}
+            return 200, {}, {"calls": self.calls[start:]}
         if route == "/capacity" and method == "POST":
             try:
                 control = json.loads(body or b"{}")
@@ -345,7 +356,10 @@ class ModelUpstream:
             if error_rate is not None:
                 self.model.params = replace(self.model.params, error_rate=float(error_rate))
             return 200, {}, {"capacity": self.model.capacity(self.clock.monotonic())}
-        decision = self.model.decide(self.clock.monotonic(), headers.get("idempotency-key"))
+        now = self.clock.monotonic()
+        penalty = now < self.model.penalty_until  # refused because the penalty box is closed
+        decision = self.model.decide(now, headers.get("idempotency-key"))
+        self.calls.append((wall_clock_seconds(), decision.status, decision.retry_after_s, penalty))
         if decision.latency_s > 0:
             await self.clock.sleep(decision.latency_s)
         if decision.status == 429:

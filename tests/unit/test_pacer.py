@@ -288,6 +288,34 @@ def test_a_heavy_episode_is_refined_up_by_the_stale_outcomes_of_its_round_trip()
     assert state.ceiling == pytest.approx(100.0 * 30.5 / 101.0)
 
 
+def test_a_late_loop_that_released_less_than_the_rate_does_not_grow() -> None:
+    # the previous tick ran 4 s ago: the budget covered 2 s (missed ticks are
+    # skipped), so 200 jobs left in 4 s at a rate of 100/s
+    state = at_ceiling(rate=100.0, ceiling=90.0)
+    late, _ = run(state, OutcomeWindow(accepted=200, accepted_fresh=200), full(200), dt=4.0)
+    assert late.rate == 100.0
+    on_time, _ = run(state, OutcomeWindow(accepted=100, accepted_fresh=100), full(100))
+    assert on_time.rate > 100.0
+    slow_start = replace(initial_state(P, now=T0), rate=100.0)
+    late, _ = run(slow_start, OutcomeWindow(accepted=200, accepted_fresh=200), full(200), dt=4.0)
+    assert late.rate == 100.0
+
+
+def test_no_growth_while_work_piles_up_in_flight() -> None:
+    state = at_ceiling(rate=100.0, ceiling=90.0)
+    window = OutcomeWindow(accepted=100, accepted_fresh=100)
+    piled, _ = run(state, window, full(100), inflight=500)  # 5 s of the rate in flight
+    assert piled.rate == 100.0
+    flowing, _ = run(state, window, full(100), inflight=150)
+    assert flowing.rate > 100.0
+
+
+def test_a_ladder_never_adds_more_than_its_cap_in_one_tick() -> None:
+    state = replace(at_ceiling(rate=100.0, ceiling=60.0), ladder=80.0)
+    state, _ = run(state, OutcomeWindow(accepted=100, accepted_fresh=100), full(100), dt=2.0)
+    assert state.rate <= 100.0 * (1 + pacer.LADDER_MAX) + 1e-9
+
+
 def test_retry_after_closes_then_resumes_just_under_the_ceiling_and_holds() -> None:
     state = replace(at_ceiling(rate=100.0), delivered=80.0)
     window = OutcomeWindow(accepted=60, refused=20, refused_fresh=20, retry_after_s=10.0)
