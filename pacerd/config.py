@@ -453,8 +453,10 @@ def load_config(
             problems.append(f"{os.fspath(path)}: TOML syntax error: {exc}")
     readable = not problems
     env_sources = _apply_environ(data, environ, problems)
+    # relative to the config file's folder; with no file, to the working
+    # directory ("": open() resolves it, and no getcwd runs on an event loop)
     base = environ.get(CREDENTIALS_DIRECTORY) or (
-        os.path.dirname(os.path.abspath(path)) if path is not None else os.getcwd()
+        os.path.dirname(os.fspath(path)) if path is not None else ""
     )
     file_sources = _read_secret_files(data, base, problems)
     if readable:
