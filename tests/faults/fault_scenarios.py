@@ -567,7 +567,7 @@ async def bad_input(env: Env, scale: Scale) -> Audit:
                 ("zero", env.destination, "{}", 0),
             ):
                 try:
-                    await rig.db().fetchval(
+                    await rig.producer().fetchval(
                         "SELECT pacerd.schedule(job_id => $1, kind => 'fault.call',"
                         " destination => $2, payload => $3::jsonb, max_attempts => $4)",
                         *args,
@@ -633,7 +633,7 @@ async def poison(env: Env, scale: Scale, *, kind: str) -> Audit:
                 await _publish(env.amqp_url, [b"[" * 100_000])
             else:
                 depth = 1500
-                await rig.db().fetchval(
+                await rig.producer().fetchval(
                     "SELECT pacerd.schedule(job_id => 'deep', kind => 'fault.call',"
                     " destination => $1, payload => (repeat('[', $2) || repeat(']', $2))::jsonb,"
                     " max_attempts => 2)",
@@ -709,7 +709,7 @@ async def recovery_drill(env: Env, scale: Scale) -> tuple[Audit, DrillReport]:
         assert rig.broker_proxy is not None
         db = rig.db()
         # 1. Pause dispatch, durably (every instance sees it).
-        await db.fetchval("SELECT pacerd.pause($1)", env.destination)
+        await rig.operator().fetchval("SELECT pacerd.pause($1)", env.destination)
         leader = await rig.start_pacerd(wait_ready=False)  # proxied: the one we interrupt
         pool = [await rig.start_worker() for _ in range(workers)]
         await leader.wait_event("leadership_acquired", within=60)
@@ -722,7 +722,7 @@ async def recovery_drill(env: Env, scale: Scale) -> tuple[Audit, DrillReport]:
         await rig.schedule(5, prefix="later", overdue_from_seconds=-3600, overdue_to_seconds=-3000)
         # 3. Supersede one job's revision while it waits.
         victim = f"due-{scale.jobs // 2}"
-        revised = await db.fetchval(
+        revised = await rig.producer().fetchval(
             "SELECT pacerd.schedule(job_id => $1, kind => 'fault.call', destination => $2,"
             " payload => '{\"revision\": 1}'::jsonb, eligible_at => now() - interval '30 min',"
             " revision => 1)",
@@ -768,7 +768,7 @@ async def recovery_drill(env: Env, scale: Scale) -> tuple[Audit, DrillReport]:
             tg.start_soon(sample_forever, rig, wall, knobs.tick_seconds)
             # 5. Resume with a small budget.
             resumed_at = time.time()
-            await db.fetchval("SELECT pacerd.resume($1)", env.destination)
+            await rig.operator().fetchval("SELECT pacerd.resume($1)", env.destination)
             with anyio.fail_after(scale.settle_seconds + 30):
                 await interrupted.wait()
             async with rig.fault("kill -9 dispatcher between enqueue and mark-offered"):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import functools
 import itertools
 import json
 import math
@@ -42,11 +43,12 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import aio_pika
 import anyio
@@ -54,9 +56,11 @@ import anyio.to_thread
 import asyncpg
 from support.proxy import FaultProxy
 from support.records import TICK_EVENT, records
-from support.services import ADMIN_DSN, amqp_url_for, dsn_for, with_port
+from support.services import ADMIN_DSN, amqp_url_for, dsn_for, with_port, with_user
 
+from pacerd import ledger
 from pacerd.publisher import INVALID_QUEUE, OUTCOMES_QUEUE, ready_queue_name
+from pacerd.roles import DAEMON_BROKER_PERMISSIONS, RoleNames, worker_broker_permissions
 from pacerd.testing.demo_app import http_request
 from pacerd.testing.upstream import CapacitySchedule, ModelUpstream, UpstreamParams
 
@@ -161,8 +165,6 @@ def rabbitmqctl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess
 
 
 async def create_database(name: str) -> str:
-    from pacerd import ledger
-
     conn = await asyncpg.connect(ADMIN_DSN)
     try:
         await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
@@ -359,6 +361,9 @@ class Audit:
     bounds: Bounds
     notes: list[str] = field(default_factory=list)
     elapsed_seconds: float = 0.0
+    # Who the parties connected as: ledger session users and broker connection users
+    # seen (the harness's own excepted), when the rig ran each party on its role.
+    identities: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def lost(self) -> int:
@@ -439,6 +444,139 @@ def _epoch(value: dt.datetime) -> float:
     return value.timestamp()
 
 
+# -- who each party runs as -------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Identities:
+    """One scenario's own login roles and broker users, each party on the least
+    it needs (``pacerd.roles``): the daemon on a LOGIN role that owns the
+    scenario's ledger (it migrates it, as ``pacerd migrate`` runs in
+    production), workers on a member of the worker role, the workload on a
+    member of the producer role, operator calls on a member of the operator
+    role; on the broker, a daemon user and a worker user with the minimal
+    permissions in the scenario's vhost. The harness's own connections (the
+    audit, ``pg_terminate_backend``, queue set-up, bad input) stay on the
+    administrator and guest."""
+
+    owner: str
+    worker: str
+    producer: str
+    operator: str
+    daemon_user: str
+    worker_user: str
+    password: str
+
+    @classmethod
+    def fresh(cls) -> Identities:
+        tag = uuid.uuid4().hex[:10]
+        return cls(
+            owner=f"pacerd_fo_{tag}", worker=f"pacerd_fw_{tag}", producer=f"pacerd_fp_{tag}",
+            operator=f"pacerd_fa_{tag}", daemon_user=f"pacerd-fd-{tag}",
+            worker_user=f"pacerd-fw-{tag}", password=uuid.uuid4().hex,
+        )  # fmt: skip
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return (self.owner, self.worker, self.producer, self.operator)
+
+    async def create(self, dsn: str, amqp_url: str, destination: str) -> None:
+        """Creates the roles and users, hands the ledger's database to the owner
+        and migrates it as the owner (the schema a template left is dropped
+        first). ``drop`` undoes whatever part of it was done."""
+        names = RoleNames()
+        database = urlsplit(dsn).path.lstrip("/")
+        admin = await asyncpg.connect(ADMIN_DSN)
+        try:
+            await admin.execute(
+                f"CREATE ROLE {self.owner} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE;"
+                f"CREATE ROLE {self.worker} LOGIN IN ROLE {names.worker};"
+                f"CREATE ROLE {self.producer} LOGIN IN ROLE {names.producer};"
+                f"CREATE ROLE {self.operator} LOGIN IN ROLE {names.operator};"
+                f'ALTER DATABASE "{database}" OWNER TO {self.owner}'
+            )
+        finally:
+            await admin.close()
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute("DROP SCHEMA IF EXISTS pacerd CASCADE")
+        finally:
+            await conn.close()
+        await ledger.migrate(with_user(dsn, self.owner))
+        vhost = _vhost(amqp_url)
+        queue = ready_queue_name(destination)
+        for user, permissions in (
+            (self.daemon_user, DAEMON_BROKER_PERMISSIONS),
+            (self.worker_user, worker_broker_permissions([queue])),
+        ):
+            for args in (
+                ("add_user", user, self.password),
+                tuple(permissions.rabbitmqctl(vhost, user)),
+            ):
+                done = await anyio.to_thread.run_sync(functools.partial(rabbitmqctl, *args))
+                if done.returncode != 0:
+                    raise RuntimeError(f"rabbitmqctl {args[0]} {user}: {done.stderr.strip()}")
+
+    async def drop(self, dsn: str) -> None:
+        """Deletes the broker users and the roles (the database's objects go back
+        to the administrator first); each step is tried whatever the last did."""
+        for user in (self.daemon_user, self.worker_user):
+            await anyio.to_thread.run_sync(functools.partial(rabbitmqctl, "delete_user", user))
+        roles = list(self.roles)
+        with contextlib.suppress(*DB_DOWN):
+            admin = await asyncpg.connect(ADMIN_DSN)
+            try:
+                await admin.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                    " WHERE usename = ANY($1::text[])",
+                    roles,
+                )
+            finally:
+                await admin.close()
+        for url in (dsn, ADMIN_DSN):  # the ledger's database, then the cluster's
+            with contextlib.suppress(*DB_DOWN):
+                conn = await asyncpg.connect(url)
+                try:
+                    await conn.execute(
+                        f"REASSIGN OWNED BY {', '.join(roles)} TO CURRENT_USER;"
+                        f"DROP OWNED BY {', '.join(roles)}"
+                    )
+                finally:
+                    await conn.close()
+        admin = await asyncpg.connect(ADMIN_DSN)
+        try:
+            for role in roles:
+                await admin.execute(f"DROP ROLE IF EXISTS {role}")
+        finally:
+            await admin.close()
+
+    async def sessions(self, db: asyncpg.Pool) -> list[str]:
+        """The users of the sessions on the ledger's database that are not the harness's."""
+        rows = await db.fetch(
+            "SELECT usename FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid() AND coalesce(application_name, '') <> $1"
+            " AND backend_type = 'client backend'",
+            HARNESS_APP,
+        )
+        return [str(r["usename"]) for r in rows]
+
+
+async def broker_users(amqp_url: str) -> list[str]:
+    """The user of each connection to the vhost of ``amqp_url``."""
+    vhost = _vhost(amqp_url)
+    done = await anyio.to_thread.run_sync(
+        lambda: rabbitmqctl("list_connections", "--no-table-headers", "vhost", "user")
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"rabbitmqctl list_connections: {done.stderr.strip()}")
+    rows = [line.split("\t") for line in done.stdout.splitlines()]
+    return [row[1] for row in rows if len(row) == 2 and row[0] == vhost]
+
+
+def _vhost(amqp_url: str) -> str:
+    return unquote(urlsplit(amqp_url).path.lstrip("/")) or "/"
+
+
 # -- the rig ---------------------------------------------------------------------------
 
 
@@ -463,8 +601,12 @@ class Rig:
         upstream_latency_ms: float = 5.0,
         log_level: str = "debug",
         restart_seconds: float = 2.0,
+        roles: bool = True,
     ) -> None:
         self.dsn, self.amqp_url, self.workdir = dsn, amqp_url, workdir
+        # Each party on its own role and broker user (False: all on the administrator's).
+        self.identities = Identities.fresh() if roles else None
+        self.ledger_users: Counter[str] = Counter()  # non-harness sessions, per user, per sample
         self.restart_seconds = restart_seconds
         self.destination = destination
         self.knobs = knobs or Knobs()
@@ -485,6 +627,8 @@ class Rig:
         self.broker_proxy = FaultProxy(amqp.port or 5672) if proxy_broker else None
         self.worker_proxy = FaultProxy(amqp.port or 5672) if proxy_workers else None
         self.pool: asyncpg.Pool | None = None
+        self.producer_pool: asyncpg.Pool | None = None
+        self.operator_pool: asyncpg.Pool | None = None
         self.pacerds: list[PacerdProc] = []
         self.workers: list[WorkerProc] = []
         self.faults: list[Fault] = []
@@ -501,12 +645,32 @@ class Rig:
     # -- lifecycle
 
     async def __aenter__(self) -> Rig:
+        if self.identities is not None:
+            try:
+                await self.identities.create(self.dsn, self.amqp_url, self.destination)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await self.identities.drop(self.dsn)
+                raise
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(self._supervise)
+        settings = {"application_name": HARNESS_APP}
         self.pool = await asyncpg.create_pool(
-            self.dsn, min_size=1, max_size=4, server_settings={"application_name": HARNESS_APP}
+            self.dsn, min_size=1, max_size=4, server_settings=settings
         )
+        if self.identities is not None:
+            # The workload and the operator's calls are the harness's too (they ride
+            # out terminated backends), each on its own role.
+            self.producer_pool = await asyncpg.create_pool(
+                with_user(self.dsn, self.identities.producer), min_size=1, max_size=2,
+                server_settings=settings,
+            )  # fmt: skip
+            self.operator_pool = await asyncpg.create_pool(
+                with_user(self.dsn, self.identities.operator), min_size=1, max_size=2,
+                server_settings=settings,
+            )  # fmt: skip
+            self._tg.start_soon(self._watch_sessions)
         await self.upstream.start()
         for proxy in (self.ledger_proxy, self.broker_proxy, self.worker_proxy):
             if proxy is not None:
@@ -528,8 +692,12 @@ class Rig:
                 with contextlib.suppress(Exception):
                     await self._delete_queue()
             finally:
-                if self.pool is not None:
-                    await self.pool.close()
+                for pool in (self.producer_pool, self.operator_pool, self.pool):
+                    if pool is not None:
+                        with contextlib.suppress(Exception):
+                            await pool.close()
+                if self.identities is not None:
+                    await self.identities.drop(self.dsn)
 
     async def _supervise(self) -> None:
         """Restarts a pacerd or worker that exits on its own after
@@ -550,6 +718,15 @@ class Rig:
                 else:
                     await self.start_worker()
             await anyio.sleep(0.1)
+
+    async def _watch_sessions(self) -> None:
+        """Records, every half second, who the sessions on the ledger that are
+        not the harness's run as (the audit checks each party kept to its role)."""
+        assert self.identities is not None
+        while True:
+            with contextlib.suppress(*DB_DOWN):
+                self.ledger_users.update(await self.identities.sessions(self.db()))
+            await anyio.sleep(0.5)
 
     async def stop_all(self) -> None:
         """SIGTERM every child (daemons first), SIGKILL what is left after a few seconds."""
@@ -587,24 +764,56 @@ class Rig:
     # -- addresses
 
     @property
+    def daemon_dsn(self) -> str:
+        """The ledger as the daemon reaches it directly (as the owner role)."""
+        ids = self.identities
+        return self.dsn if ids is None else with_user(self.dsn, ids.owner)
+
+    @property
+    def daemon_amqp_url(self) -> str:
+        ids = self.identities
+        if ids is None:
+            return self.amqp_url
+        return with_user(self.amqp_url, ids.daemon_user, ids.password)
+
+    @property
     def pacerd_dsn(self) -> str:
-        return with_port(self.dsn, self.ledger_proxy.port) if self.ledger_proxy else self.dsn
+        dsn = self.daemon_dsn
+        return with_port(dsn, self.ledger_proxy.port) if self.ledger_proxy else dsn
 
     @property
     def pacerd_amqp_url(self) -> str:
         if self.broker_proxy is None:
-            return self.amqp_url
-        return with_port(self.amqp_url, self.broker_proxy.port)
+            return self.daemon_amqp_url
+        return with_port(self.daemon_amqp_url, self.broker_proxy.port)
+
+    @property
+    def worker_dsn(self) -> str:
+        ids = self.identities
+        return self.dsn if ids is None else with_user(self.dsn, ids.worker)
 
     @property
     def worker_amqp_url(self) -> str:
+        ids = self.identities
+        url = self.amqp_url
+        if ids is not None:
+            url = with_user(url, ids.worker_user, ids.password)
         if self.worker_proxy is None:
-            return self.amqp_url
-        return with_port(self.amqp_url, self.worker_proxy.port)
+            return url
+        return with_port(url, self.worker_proxy.port)
 
     def db(self) -> asyncpg.Pool:
+        """The harness's own pool (the administrator): the audit, the faults."""
         assert self.pool is not None
         return self.pool
+
+    def producer(self) -> asyncpg.Pool:
+        """The workload's pool: a member of the producer role."""
+        return self.producer_pool or self.db()
+
+    def operator(self) -> asyncpg.Pool:
+        """The operator's pool (pause, resume, replay): a member of the operator role."""
+        return self.operator_pool or self.db()
 
     # -- children
 
@@ -619,8 +828,8 @@ class Rig:
         path.write_text(
             config_toml(
                 knobs or self.knobs,
-                dsn=self.pacerd_dsn if proxied else self.dsn,
-                amqp_url=self.pacerd_amqp_url if proxied else self.amqp_url,
+                dsn=self.pacerd_dsn if proxied else self.daemon_dsn,
+                amqp_url=self.pacerd_amqp_url if proxied else self.daemon_amqp_url,
                 http_port=http_port,
                 log_level=self.log_level,
             )
@@ -649,7 +858,7 @@ class Rig:
         config = self.workdir / "worker.toml"
         if not config.exists():
             config.write_text(
-                config_toml(self.knobs, dsn=self.dsn, amqp_url=self.worker_amqp_url,
+                config_toml(self.knobs, dsn=self.worker_dsn, amqp_url=self.worker_amqp_url,
                             http_port=None, log_level="info")
             )  # fmt: skip
         calls = self.workdir / "logs" / f"{name}.calls.jsonl"
@@ -700,7 +909,7 @@ class Rig:
         done = 0
         batch = 5000
         pad = "x" * max(0, payload_bytes - 20)
-        async with self.db().acquire() as conn:
+        async with self.producer().acquire() as conn:
             for start in range(1, n + 1, batch):
                 stop = min(n, start + batch - 1)
                 done += await conn.fetchval(
@@ -993,6 +1202,7 @@ class Rig:
                     await anyio.sleep(0.2)
             if not p.alive or status != 200:
                 unhealthy.append(f"{p.name} /healthz {status} (alive: {p.alive})")
+        identities = await self._identity_audit(notes)
         return Audit(
             scenario=scenario,
             jobs=self.jobs,
@@ -1022,7 +1232,36 @@ class Rig:
             bounds=bounds,
             notes=notes,
             elapsed_seconds=time.time() - self.started_at,
+            identities=identities,
         )
+
+    async def _identity_audit(self, notes: list[str]) -> dict[str, list[str]]:
+        """Checks that every session on the ledger but the harness's ran as the
+        daemon's owner role or the workers' role, and every connection to the
+        vhost as the harness's, the daemon's or the workers' broker user; and
+        that the daemons and workers were seen on theirs (a party on another
+        identity is a violation, noted)."""
+        ids = self.identities
+        if ids is None:
+            return {}
+        with contextlib.suppress(*DB_DOWN):
+            self.ledger_users.update(await ids.sessions(self.db()))
+        seen = set(self.ledger_users)
+        if foreign := sorted(seen - {ids.owner, ids.worker}):
+            notes.append(f"VIOLATION: ledger sessions as {foreign}, not a daemon's or worker's")
+        if self.pacerds and ids.owner not in seen:
+            notes.append(f"VIOLATION: no ledger session of a daemon as {ids.owner}")
+        if self.workers and ids.worker not in seen:
+            notes.append(f"VIOLATION: no ledger session of a worker as {ids.worker}")
+        users = set(await broker_users(self.amqp_url))
+        harness = urlsplit(self.amqp_url).username or "guest"
+        if foreign := sorted(users - {harness, ids.daemon_user, ids.worker_user}):
+            notes.append(f"VIOLATION: broker connections as {foreign}")
+        if self.live_pacerds() and ids.daemon_user not in users:
+            notes.append(f"VIOLATION: no broker connection of a live daemon as {ids.daemon_user}")
+        if any(w.alive for w in self.workers) and ids.worker_user not in users:
+            notes.append(f"VIOLATION: no broker connection of a live worker as {ids.worker_user}")
+        return {"ledger": sorted(seen), "broker": sorted(users - {harness})}
 
     def tick_cadence(self) -> float | None:
         """The median time between two consecutive ticks of one pacerd that both

@@ -28,7 +28,8 @@ from fault_scenarios import (
     recovery_drill,
     worker_kill,
 )
-from faultlib import Knobs
+from faultlib import Knobs, Rig, rabbitmqctl
+from support.services import ADMIN_DSN
 
 from pacerd.errors import BrokerUnavailable, LedgerUnavailable
 from pacerd.ledger import translate_errors
@@ -59,6 +60,49 @@ def passed(audit: Audit) -> None:
     """Asserts the audit found nothing, showing the whole audit when it did."""
     report = "\n".join([*audit.violations(), *audit.notes, repr(audit.row())])
     assert audit.violations() == [], report
+    # The daemon, the workers and the workload ran each on its own role and broker
+    # user (the audit notes a party seen on another identity as a violation).
+    assert audit.identities["ledger"], audit.identities
+    assert audit.identities["broker"], audit.identities
+
+
+async def test_each_party_runs_on_its_own_role_and_its_identities_are_dropped(env: Env) -> None:
+    async with Rig(
+        dsn=env.dsn, amqp_url=env.amqp_url, workdir=env.workdir, destination=env.destination,
+        capacity=KNOBS.max_rate * 1.25, restart_seconds=env.restart_seconds,
+    ) as rig:  # fmt: skip
+        ids = rig.identities
+        assert ids is not None
+        owner = await rig.db().fetchval(
+            "SELECT nspowner::regrole::text FROM pg_namespace WHERE nspname = 'pacerd'"
+        )
+        assert owner == ids.owner
+        await rig.schedule(60)
+        await rig.start(workers=1)
+        audit = await rig.audit("roles", within=15)
+        passed(audit)
+        assert audit.identities == {
+            "ledger": sorted([ids.owner, ids.worker]),
+            "broker": sorted([ids.daemon_user, ids.worker_user]),
+        }
+        # A session of a party on the administrator's role is a violation.
+        intruder = await asyncpg.connect(rig.dsn)
+        try:
+            again = await rig.audit("roles", within=15)
+        finally:
+            await intruder.close()
+        assert any("ledger sessions as ['postgres']" in v for v in again.violations()), again
+    admin = await asyncpg.connect(ADMIN_DSN)
+    try:
+        left = await admin.fetch(
+            "SELECT rolname FROM pg_roles WHERE rolname = ANY($1::text[])", list(ids.roles)
+        )
+    finally:
+        await admin.close()
+    assert left == []
+    users = rabbitmqctl("list_users", "--no-table-headers").stdout
+    assert ids.daemon_user not in users
+    assert ids.worker_user not in users
 
 
 async def test_kill_9_pacerd_mid_drain_loses_nothing(env: Env) -> None:

@@ -28,3 +28,12 @@ def with_port(url: str, port: int) -> str:
     netloc = parts.netloc.rsplit("@", 1)
     host = f"{parts.hostname}:{port}"
     return urlunsplit(parts._replace(netloc=f"{netloc[0]}@{host}" if len(netloc) == 2 else host))
+
+
+def with_user(url: str, user: str, password: str | None = None) -> str:
+    """``url`` (a DSN or an AMQP URL) with other credentials: the same
+    service and database or virtual host, reached as ``user``."""
+    parts = urlsplit(url)
+    host = parts.netloc.rsplit("@", 1)[-1]
+    login = quote(user, safe="") + (f":{quote(password, safe='')}" if password else "")
+    return urlunsplit(parts._replace(netloc=f"{login}@{host}"))
