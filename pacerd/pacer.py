@@ -299,6 +299,8 @@ def update_rate(
 ) -> PacerState:
     """The law's step: the state after this tick's window (budget untouched)."""
     p, m = params, params.decrease_margin
+    # the bounds hold on every path, also right after a reload moved them
+    state = replace(state, rate=_clamp(state.rate, p))
     dt = _elapsed(state, now, p)
     interval = window.interval_seconds or dt
     accepted_rate = window.accepted / interval if interval > 1e-9 else 0.0

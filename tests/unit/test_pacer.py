@@ -310,6 +310,17 @@ def test_no_growth_while_work_piles_up_in_flight() -> None:
     assert flowing.rate > 100.0
 
 
+@pytest.mark.parametrize("inflight", [0, 500])
+def test_a_reload_that_raises_min_rate_takes_effect_on_every_path(inflight: int) -> None:
+    # whether the tick may grow or not (work piled up in flight), the new bounds hold
+    raised = replace(P, min_rate=500.0, initial_rate=500.0, max_rate=1000.0)
+    state = at_ceiling(rate=100.0, ceiling=90.0)
+    after, plan = run(state, OutcomeWindow(accepted=100, accepted_fresh=100), full(100),
+                      inflight=inflight, params=raised)  # fmt: skip
+    assert after.rate >= 500.0
+    assert plan.budget > 0
+
+
 def test_a_ladder_never_adds_more_than_its_cap_in_one_tick() -> None:
     state = replace(at_ceiling(rate=100.0, ceiling=60.0), ladder=80.0)
     state, _ = run(state, OutcomeWindow(accepted=100, accepted_fresh=100), full(100), dt=2.0)
