@@ -8,8 +8,11 @@ modules import), every environment variable is one its program reads (a valid
 config override, an ``OTEL_*`` variable of the SDK for a program that sets up
 telemetry, or a name in the program's source), every host:port named in an
 environment value or a Prometheus, collector or Grafana config is a service
-listening there, and every bind-mounted file exists. The systemd unit is
-checked with ``systemd-analyze`` when it is installed.
+listening there, and every bind-mounted file exists; and that each party logs
+in as its own identity: the PostgreSQL init script and the RabbitMQ definitions
+create every user the compose URLs name, with exactly the rights of
+``pacerd.roles`` (the init script also runs against the real PostgreSQL). The
+systemd unit is checked with ``systemd-analyze`` when it is installed.
 """
 
 from __future__ import annotations
