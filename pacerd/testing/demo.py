@@ -30,7 +30,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import anyio
 import anyio.to_thread
@@ -41,11 +41,12 @@ from rich.live import Live
 from pacerd.client import Client
 from pacerd.clock import SystemClock
 from pacerd.publisher import ready_queue_name
+from pacerd.roles import RoleNames, worker_broker_permissions
 from pacerd.testing import demo_report as report
 from pacerd.testing.upstream import CapacitySchedule, ModelUpstream, UpstreamParams
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import AsyncIterator, Sequence
 
     from anyio.abc import Process
 
@@ -294,7 +295,9 @@ class Demo:
             if self.stop.is_set():
                 break
 
-    async def run(self, config: Path, *, live: bool) -> report.DemoSummary:
+    async def run(
+        self, config: Path, *, live: bool, worker_config: Path | None = None
+    ) -> report.DemoSummary:
         client = await Client.connect(self.dsn)
         try:
             for d in self.plan.destinations:
@@ -302,7 +305,9 @@ class Demo:
             await self.start_upstreams()
             for i in range(self.plan.workers):
                 await self.spawn(
-                    f"worker-{i + 1}", ["worker", "--app", "pacerd.testing.demo_app:app"], config
+                    f"worker-{i + 1}",
+                    ["worker", "--app", "pacerd.testing.demo_app:app"],
+                    worker_config or config,
                 )
             await self.spawn("pacerd", ["run"], config)
             started = self.clock.monotonic()
@@ -380,6 +385,62 @@ async def isolated_amqp_url(amqp_url: str, vhost: str) -> str:
     return urlunsplit(parts._replace(path="/" + quote(vhost, safe="")))
 
 
+@contextlib.asynccontextmanager
+async def worker_identity(
+    admin_dsn: str, dsn: str, amqp_url: str, name: str
+) -> AsyncIterator[tuple[str, str]]:
+    """The workers' (DSN, AMQP URL), each party on the least it needs
+    (docs/security.md): a LOGIN member of pacerd_worker (made after the migrate
+    that makes that role) and, where rabbitmqctl can make one, a broker user
+    with ``worker_broker_permissions()`` in the demo's vhost. Both are named
+    ``name`` and dropped at the end."""
+    password = secrets.token_hex(16)
+    role = '"' + name.replace('"', '""') + '"'
+    conn = await asyncpg.connect(admin_dsn)
+    try:
+        await conn.execute(f"DROP ROLE IF EXISTS {role}")
+        await conn.execute(
+            f"CREATE ROLE {role} LOGIN PASSWORD '{password}' IN ROLE {RoleNames().worker}"
+        )
+    finally:
+        await conn.close()
+    worker_url, rabbitmqctl = amqp_url, shutil.which("rabbitmqctl")
+    vhost = unquote(urlsplit(amqp_url).path.lstrip("/")) or "/"
+    if rabbitmqctl is not None:
+        await anyio.run_process([rabbitmqctl, "-q", "delete_user", name], check=False)
+        for args in (
+            ["add_user", name, password],
+            worker_broker_permissions().rabbitmqctl(vhost, name),
+        ):
+            if (await anyio.run_process([rabbitmqctl, "-q", *args], check=False)).returncode:
+                break
+        else:
+            worker_url = with_credentials(amqp_url, name, password)
+    try:
+        yield with_credentials(dsn, name, password), worker_url
+    finally:
+        with anyio.CancelScope(shield=True):
+            if rabbitmqctl is not None:
+                await anyio.run_process([rabbitmqctl, "-q", "delete_user", name], check=False)
+            conn = await asyncpg.connect(admin_dsn)
+            try:
+                await conn.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1",
+                    name,
+                )
+                await conn.execute(f"DROP ROLE IF EXISTS {role}")
+            finally:
+                await conn.close()
+
+
+def with_credentials(url: str, user: str, password: str) -> str:
+    parts = urlsplit(url)
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return urlunsplit(
+        parts._replace(netloc=f"{quote(user, safe='')}:{quote(password, safe='')}@{host}")
+    )
+
+
 async def amain(args: argparse.Namespace, plan: DemoPlan, workdir: Path, output: Path) -> int:
     console = Console()
     if not console.is_terminal:
@@ -398,7 +459,17 @@ async def amain(args: argparse.Namespace, plan: DemoPlan, workdir: Path, output:
     await migrate(config, demo.child_env())
     await delete_demo_queues(amqp_url, plan)
     try:
-        summary = await demo.run(config, live=not args.no_live and console.is_terminal)
+        # The daemon runs on the administrator; the workers on a worker role and user.
+        async with worker_identity(args.admin_dsn, dsn, amqp_url, f"{args.database}_worker") as (
+            worker_dsn,
+            worker_amqp_url,
+        ):
+            worker_config = workdir / "worker.toml"
+            await anyio.Path(worker_config).write_text(
+                plan.config_toml(worker_dsn, worker_amqp_url)
+            )
+            live = not args.no_live and console.is_terminal
+            summary = await demo.run(config, live=live, worker_config=worker_config)
     finally:
         await delete_demo_queues(amqp_url, plan)
     chart = output / "pacing.png"

@@ -153,6 +153,7 @@ async def test_the_whole_demo_runs_and_cleans_up(amqp_url: str, tmp_path: Path) 
         "--prefix", prefix,
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("PACERD_")}
+    worker_name = f"{database}_worker"  # its worker's login role and broker user
     try:
         # A 6 s demo; the bound only guards against a hang (process start-up
         # is slow on a loaded machine).
@@ -161,7 +162,10 @@ async def test_the_whole_demo_runs_and_cleans_up(amqp_url: str, tmp_path: Path) 
     finally:
         conn = await asyncpg.connect(ADMIN_DSN)
         await conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+        left = await conn.fetchval("SELECT count(*) FROM pg_roles WHERE rolname = $1", worker_name)
+        await conn.execute(f'DROP ROLE IF EXISTS "{worker_name}"')
         await conn.close()
+    users = await anyio.run_process(["rabbitmqctl", "-q", "list_users", "--no-table-headers"])
     output = result.stdout.decode()
     assert result.returncode == 0, output + result.stderr.decode()
     assert "duplicates = 0, jobs lost = 0" in output
@@ -169,4 +173,11 @@ async def test_the_whole_demo_runs_and_cleans_up(amqp_url: str, tmp_path: Path) 
     logs = {p.name for p in (tmp_path / "logs").iterdir()}
     assert logs == {"pacerd.log", "worker-1.log"}
     assert b"pacerd_stopped" in (tmp_path / "logs" / "pacerd.log").read_bytes()
-    assert b"worker_stopped" in (tmp_path / "logs" / "worker-1.log").read_bytes()
+    worker_log = (tmp_path / "logs" / "worker-1.log").read_bytes()
+    assert b"worker_stopped" in worker_log
+    # the worker ran on a broker user that may configure nothing, and a login
+    # that may call is_current; both are gone afterwards
+    assert b"worker_declares_nothing" in worker_log
+    assert b"is_current_unavailable" not in worker_log
+    assert left == 0
+    assert worker_name not in [line.split("\t")[0] for line in users.stdout.decode().splitlines()]

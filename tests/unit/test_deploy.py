@@ -8,12 +8,17 @@ modules import), every environment variable is one its program reads (a valid
 config override, an ``OTEL_*`` variable of the SDK for a program that sets up
 telemetry, or a name in the program's source), every host:port named in an
 environment value or a Prometheus, collector or Grafana config is a service
-listening there, and every bind-mounted file exists. The systemd unit is
-checked with ``systemd-analyze`` when it is installed.
+listening there, and every bind-mounted file exists; and that each party logs
+in as its own identity: the PostgreSQL init script and the RabbitMQ definitions
+create every user the compose URLs name, with exactly the rights of
+``pacerd.roles`` (the init script also runs against the real PostgreSQL). The
+systemd unit is checked with ``systemd-analyze`` when it is installed.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import importlib
 import inspect
 import io
@@ -24,18 +29,29 @@ import shutil
 import subprocess
 import sys
 import tomllib
+import uuid
 from dataclasses import dataclass
 from importlib.metadata import entry_points, packages_distributions
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import SplitResult, unquote, urlsplit
 
+import anyio
+import asyncpg
 import opentelemetry.environment_variables as otel_env_api
 import opentelemetry.sdk.environment_variables as otel_env_sdk
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry
+from support.services import ADMIN_DSN, dsn_for, with_user
 
-from pacerd import cli, config, daemon, worker
+from pacerd import cli, config, daemon, ledger, worker
+from pacerd.roles import (
+    DAEMON_BROKER_PERMISSIONS,
+    BrokerPermissions,
+    RoleNames,
+    worker_broker_permissions,
+)
 from pacerd.telemetry import METRICS, setup_telemetry
 from pacerd.testing import demo_app
 
@@ -482,7 +498,8 @@ def test_compose_pacerd_lifecycle(compose: dict[str, Any]) -> None:
     assert pacerd["depends_on"]["rabbitmq"]["condition"] == "service_healthy"
     assert int(str(pacerd["stop_grace_period"]).rstrip("s")) > DRAIN_GRACE_SECONDS
     assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
-    assert services["rabbitmq"]["environment"]["RABBITMQ_DEFAULT_USER"] != "guest"
+    # guest may only connect from localhost, not from other containers
+    assert "guest" not in {user["name"] for user in definitions(compose)["users"]}
     for name in ("worker", "producer"):
         assert services[name]["depends_on"]["migrate"]["condition"] == (
             "service_completed_successfully"
@@ -677,3 +694,187 @@ def test_collector_pipelines_reach_jaeger_and_prometheus() -> None:
         assert set(pipeline["receivers"]) <= set(collector["receivers"])
         assert set(pipeline.get("processors", [])) <= set(collector["processors"])
         assert set(pipeline["exporters"]) <= set(exporters)
+
+
+# -- compose: each party on its own role and broker user -------------------------------
+
+PG_INIT_DIR = "/docker-entrypoint-initdb.d"
+
+
+def mounts_of(service: dict[str, Any]) -> dict[str, Path]:
+    """Container path -> file in the repository, for the service's bind mounts."""
+    out = {}
+    for volume in service.get("volumes", []):
+        source, target = str(volume).split(":")[:2]
+        if source.startswith("./"):
+            out[target] = ROOT / source
+    return out
+
+
+def init_scripts(compose: dict[str, Any]) -> list[Path]:
+    mounts = mounts_of(services_of(compose)["postgres"])
+    scripts = [path for target, path in sorted(mounts.items()) if target.startswith(PG_INIT_DIR)]
+    assert scripts, "no init script is mounted into the postgres image"
+    return scripts
+
+
+def init_sql(compose: dict[str, Any]) -> str:
+    return "\n".join(path.read_text() for path in init_scripts(compose))
+
+
+def definitions(compose: dict[str, Any]) -> dict[str, Any]:
+    rabbitmq = services_of(compose)["rabbitmq"]
+    mounts = mounts_of(rabbitmq)
+    conf = {
+        key.strip(): value.strip()
+        for target, path in mounts.items() if target.startswith("/etc/rabbitmq/conf.d/")
+        for line in path.read_text().splitlines() if "=" in line and not line.startswith("#")
+        for key, value in [line.split("=", 1)]
+    }  # fmt: skip
+    assert "load_definitions" in conf, "rabbitmq.conf loads no definitions file"
+    document: dict[str, Any] = json.loads(mounts[conf["load_definitions"]].read_text())
+    return document
+
+
+def service_url(compose: dict[str, Any], service: str, key: str) -> SplitResult:
+    return urlsplit(str(services_of(compose)[service]["environment"][key]))
+
+
+DSN_KEY = "PACERD_DATABASE__DSN"
+AMQP_KEY = "PACERD_BROKER__URL"
+
+
+def created_login(sql: str, user: str) -> str:
+    """The CREATE ROLE statement of ``user``, which must be a LOGIN role."""
+    [statement] = re.findall(rf"CREATE ROLE {re.escape(user)}\b[^;]*;", sql)
+    assert " LOGIN " in statement, statement
+    return str(statement)
+
+
+def test_compose_logins_are_created_each_with_its_role(compose: dict[str, Any]) -> None:
+    sql = init_sql(compose)
+    names = RoleNames()
+    owner = service_url(compose, "pacerd", DSN_KEY)
+    assert service_url(compose, "migrate", DSN_KEY) == owner
+    owner_role = created_login(sql, str(owner.username))
+    assert "NOSUPERUSER" in owner_role, owner_role
+    assert f"PASSWORD '{owner.password}'" in owner_role
+    database = owner.path.lstrip("/")
+    assert re.search(rf"CREATE DATABASE {database} OWNER {owner.username};", sql)
+    for service, role in (("worker", names.worker), ("producer", names.producer)):
+        url = service_url(compose, service, DSN_KEY)
+        assert url.path == owner.path, service
+        assert url.username not in (owner.username, "postgres"), service
+        statement = created_login(sql, str(url.username))
+        assert f"PASSWORD '{url.password}'" in statement, service
+        assert statement.endswith(f" IN ROLE {role};"), (service, statement)
+    for role in (names.producer, names.worker, names.operator):
+        assert f"'{role}'" in sql, role  # created NOLOGIN before the logins join it
+    # the superuser the image creates is not what pacerd's programs log in as
+    superuser = services_of(compose)["postgres"]["environment"]["POSTGRES_USER"]
+    assert superuser != owner.username
+
+
+def test_compose_broker_users_have_the_minimal_permissions(compose: dict[str, Any]) -> None:
+    defs = definitions(compose)
+    assert not any(k.startswith("RABBITMQ_DEFAULT_")
+                   for k in services_of(compose)["rabbitmq"].get("environment") or {})  # fmt: skip
+    users = {user["name"]: user for user in defs["users"]}
+    assert "guest" not in users
+    permissions = {(p["user"], p["vhost"]): p for p in defs["permissions"]}
+    daemon_url = service_url(compose, "pacerd", AMQP_KEY)
+    worker_url = service_url(compose, "worker", AMQP_KEY)
+    assert daemon_url.username != worker_url.username
+    for url, expected in (
+        (daemon_url, DAEMON_BROKER_PERMISSIONS),
+        (worker_url, worker_broker_permissions()),
+    ):
+        vhost = unquote(url.path.lstrip("/")) or "/"
+        assert {"name": vhost} in [{"name": v["name"]} for v in defs["vhosts"]]
+        assert users[str(url.username)]["tags"] == [], url.username
+        granted = permissions[(str(url.username), vhost)]
+        assert (
+            BrokerPermissions(
+                configure=granted["configure"], write=granted["write"], read=granted["read"]
+            )
+            == expected
+        ), url.username
+        assert [p for p in defs["permissions"] if p["user"] == url.username] == [granted]
+    # an administrator for the management UI, who is neither the daemon nor a worker
+    admins = [u for u in users.values() if "administrator" in u["tags"]]
+    assert admins
+    assert {u["name"] for u in admins}.isdisjoint({daemon_url.username, worker_url.username})
+
+
+def rabbit_sha256_verifies(password_hash: str, password: str) -> bool:
+    """RabbitMQ's rabbit_password_hashing_sha256: base64(salt + sha256(salt + password)),
+    with a 4-byte salt."""
+    raw = base64.b64decode(password_hash)
+    salt, digest = raw[:4], raw[4:]
+    return len(raw) == 36 and hashlib.sha256(salt + password.encode()).digest() == digest
+
+
+def test_compose_broker_passwords_match_the_definitions(compose: dict[str, Any]) -> None:
+    users = {user["name"]: user for user in definitions(compose)["users"]}
+    for service in ("pacerd", "worker"):
+        url = service_url(compose, service, AMQP_KEY)
+        user = users[str(url.username)]
+        assert user["hashing_algorithm"] == "rabbit_password_hashing_sha256"
+        assert rabbit_sha256_verifies(user["password_hash"], str(url.password)), service
+        assert not rabbit_sha256_verifies(user["password_hash"], f"{url.password}x")
+
+
+@pytest.mark.services
+async def test_compose_init_sql_lets_the_owner_migrate_and_the_producer_schedule(
+    compose: dict[str, Any],
+) -> None:
+    """The init script, run in a fresh database with the logins renamed (roles are
+    cluster-wide), lets its owner login migrate; its producer login may schedule
+    and not write a table, its worker login may report and not schedule."""
+    sql = init_sql(compose)
+    owner = service_url(compose, "pacerd", DSN_KEY)
+    worker_url = service_url(compose, "worker", DSN_KEY)
+    producer_url = service_url(compose, "producer", DSN_KEY)
+    tag = uuid.uuid4().hex[:10]
+    logins = [str(url.username) for url in (owner, worker_url, producer_url)]
+    # the owner and its database may share a name: one new name serves both
+    olds = sorted({*logins, owner.path.lstrip("/")})
+    renamed = {old: f"pacerd_c{i}_{tag}" for i, old in enumerate(olds)}
+    for old, new in renamed.items():
+        sql = re.sub(rf"(?<![\w']){re.escape(old)}(?![\w'])", new, sql)
+    # the names this test gives are the only ones left that it may drop
+    for old in renamed:
+        assert not re.search(rf"(?<![\w']){re.escape(old)}(?![\w'])", sql), old
+    database = renamed[owner.path.lstrip("/")]
+    dsn = dsn_for(database)
+    try:
+        run = await anyio.to_thread.run_sync(
+            lambda: subprocess.run(
+                ["psql", "-X", "-v", "ON_ERROR_STOP=1", "-d", ADMIN_DSN],
+                input=sql, capture_output=True, text=True, timeout=60, check=False,
+            )
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        await ledger.migrate(with_user(dsn, renamed[str(owner.username)]))
+        producer = await asyncpg.connect(with_user(dsn, renamed[str(producer_url.username)]))
+        try:
+            job = await producer.fetchval("SELECT pacerd.schedule('c-1', 'k', 'compose', '{}')")
+            assert job is not None
+            with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                await producer.execute("UPDATE pacerd.jobs SET attempt = attempt")
+        finally:
+            await producer.close()
+        worker_conn = await asyncpg.connect(with_user(dsn, renamed[str(worker_url.username)]))
+        try:
+            with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                await worker_conn.fetchval("SELECT pacerd.schedule('c-2', 'k', 'compose', '{}')")
+        finally:
+            await worker_conn.close()
+    finally:
+        admin = await asyncpg.connect(ADMIN_DSN)
+        try:
+            await admin.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+            for login in logins:
+                await admin.execute(f"DROP ROLE IF EXISTS {renamed[login]}")
+        finally:
+            await admin.close()
