@@ -19,7 +19,7 @@ The law, per destination:
   decrease_margin)``, and so is the remembered *ceiling*: every cut has that
   proportional part, which is what brings senders sharing an upstream to equal
   shares (their refusal counts, not their rates, set the rest of it). A heavy
-  episode (refusal ratio above ``HEAVY_RATIO``, or the end of slow start) means
+  episode (refusal ratio above ``HEAVY_RATIO``; never the end of slow start) means
   the window mixes outcomes from before and after a capacity change, so its
   estimate is only an upper bound: the rate drops to the floor and, while the
   stale outcomes of that round trip arrive, is raised back to just under what
@@ -38,13 +38,23 @@ The law, per destination:
   tick: like TCP's per-RTT increase, this keeps the cost of a probe (refusals
   per overshoot) independent of the tick length and of the upstream's latency.
   Before a destination's first episode it grows ``slow_start_factor`` per round
-  trip, never faster than that factor times the accepted rate; it ends on a
-  window with enough evidence (``refusal_min_count / refusal_threshold``
-  outcomes, or a heavy window with ``START_MIN_FACTOR * refusal_min_count``
-  refusals: a few refusals in a small sample may be another sender's probe). A
-  refusal below the episode threshold while at or above the ceiling holds the
-  rate and voids the evidence of growth below (the upstream was empty just
-  then).
+  trip and at most once per ``SLOW_START_PERIOD_S`` (per second, not per tick:
+  a short tick does not compound the factor while refusals are on their way),
+  never faster than that factor times the accepted rate. On the first sign of
+  saturation (HyStart) it stops growing: it holds the rate on any refusal
+  (under the episode threshold, or too few to end slow start), or on a window
+  of at least
+  ``HYSTART_MIN_OUTCOMES`` outcomes whose accepted rate is under
+  ``HYSTART_SHARE`` of the rate and no higher than the average before it (the
+  accepted rate stopped growing with the rate: not outcomes still on their
+  way); it ends on a window with enough evidence (``refusal_min_count /
+  refusal_threshold`` outcomes, or a heavy window with ``START_MIN_FACTOR *
+  refusal_min_count`` refusals: a few refusals in a small sample may be a
+  burst, or another sender's probe), at the accepted rate measured (the window's
+  or the average, never above ``sent * accepted share``: the rate grew while
+  those outcomes were on their way), not at a quarter of the rate. A refusal
+  below the episode threshold while at or above the ceiling holds the rate
+  and voids the evidence of growth below (the upstream was empty just then).
 - **Stale ceiling.** A token-bucket upstream can absorb, unrefused, what the
   destination left unused since the bucket was last seen empty (``saved``).
   When the volume sent above the ceiling (``surplus``) exceeds that by twice
@@ -83,7 +93,10 @@ SOFT_FACTOR = 1.25  # an unconfirmed ceiling is taken as stale only this far abo
 STALE_HORIZON_S = 30.0  # horizon of the ceiling's error when testing it for staleness
 LIVE_PACE = 0.95  # live jobs are published at this fraction of the ceiling's pace
 DELIVERED_TICKS = 2.0  # time constant of the delivered-rate average, in ticks
+SLOW_START_PERIOD_S = 1.0  # slow start grows its factor per round trip, at most once a second
 START_MIN_FACTOR = 4  # a heavy window ends slow start with this many x refusal_min_count
+HYSTART_SHARE = 0.9  # slow start holds when the window accepted less than this share of the rate
+HYSTART_MIN_OUTCOMES = 20  # ... over at least this many outcomes, and no more than the average
 LADDER_MAX = 0.25  # the largest ladder step, as a share of the rate
 INFLIGHT_RTTS = 2.0  # in flight beyond this many round trips of the rate: no growth
 LOOP_SHARE = 0.8  # a tick that admitted less than this share of rate x time since the last one
@@ -362,11 +375,14 @@ def update_rate(
         rtt, seen = state.round_trip_s, state.since_cut_s
         return replace(state, episode=False, round_trip_s=0.7 * rtt + 0.3 * seen if rtt else seen)
     if episode and state.ceiling is None:
-        # slow start ends on evidence: a couple of refusals in a small sample
-        # may be someone else's probe
-        episode = f_n * p.refusal_threshold >= p.refusal_min_count or (
+        # slow start ends on evidence, at what the upstream accepts: a couple of
+        # refusals in a small sample may be a burst or another sender's probe
+        # (the rate holds on them, below)
+        if f_n * p.refusal_threshold >= p.refusal_min_count or (
             _heavy(f_ref, f_n, p) and f_ref >= START_MIN_FACTOR * p.refusal_min_count
-        )
+        ):
+            return _end_slow_start(state, f_ref, f_n, sent, accepted_rate, p)
+        episode = False
     if episode:
         state = _cut(state, f_ref, f_n, sent, p)
         if demand is None:  # a leader's first tick: the bucket may have refilled
@@ -382,6 +398,17 @@ def update_rate(
     if f_ref > 0 and state.ceiling is not None and state.rate >= state.ceiling:
         # refusals under the threshold: hold, do not grow into them
         return replace(state, ladder=0.0, saved=0.0, surplus=0.0)
+    if state.ceiling is None and (
+        f_ref > 0
+        or (
+            f_n >= HYSTART_MIN_OUTCOMES
+            and accepted_rate < HYSTART_SHARE * state.rate
+            and accepted_rate <= delivered_before
+        )
+    ):
+        # slow start meets saturation: a refusal under the threshold, or an
+        # accepted rate that stopped growing with the rate: hold
+        return state
     return _grow(state, dt, accepted_rate, p)
 
 
@@ -393,9 +420,7 @@ def _cut(
     state: PacerState, refused: int, outcomes: int, sent: float, p: PacingParams
 ) -> PacerState:
     est = max(p.min_rate, sent * (1.0 - refused / outcomes))
-    heavy = _heavy(refused, outcomes, p) or (
-        state.ceiling is None and refused >= HEAVY_MIN_FACTOR * p.refusal_min_count
-    )
+    heavy = _heavy(refused, outcomes, p)
     target = p.decrease_factor * state.rate if heavy else est * (1.0 - p.decrease_margin)
     rate = min(state.rate, max(target, p.decrease_factor * state.rate))
     return replace(
@@ -414,6 +439,30 @@ def _cut(
         surplus=0.0,
         ladder=0.0,
         since_cut_s=0.0,
+    )
+
+
+def _end_slow_start(
+    state: PacerState,
+    refused: int,
+    outcomes: int,
+    sent: float,
+    accepted_rate: float,
+    p: PacingParams,
+) -> PacerState:
+    """The first episode of slow start: the rate was still growing while these
+    outcomes were on their way, so ``sent * accepted share`` overstates the
+    capacity by that growth; the rate drops to the accepted rate measured (the
+    window's, or the average when outcomes came in a batch), never above that
+    estimate. Never heavy: slow start ends before the capacity could change
+    under a window's outcomes."""
+    state = _cut(state, refused, outcomes, sent, p)
+    measured = max(accepted_rate, state.delivered)
+    est = min(state.cut_bound, measured) if measured > 0 else state.cut_bound
+    low = est * (1.0 - p.decrease_margin)
+    rate = min(sent, max(low, p.decrease_factor * sent))
+    return replace(
+        state, rate=_clamp(rate, p), ceiling=max(p.min_rate, low), firm=True, heavy=False
     )
 
 
@@ -444,7 +493,8 @@ def _grow(state: PacerState, dt: float, accepted_rate: float, p: PacingParams) -
     tick, rate = p.tick_seconds, state.rate
     rtt = max(tick, state.round_trip_s)  # growth is per round trip, at least a tick
     if state.ceiling is None:  # slow start, paced by what the upstream accepts
-        grown = rate * p.slow_start_factor ** (dt / rtt)
+        period = max(rtt, SLOW_START_PERIOD_S)  # per second at least, whatever the tick
+        grown = rate * p.slow_start_factor ** (dt / period)
         grown = min(grown, max(rate, p.slow_start_factor * accepted_rate))
         return replace(state, rate=_clamp(grown, p))
     c, m = state.ceiling, p.decrease_margin

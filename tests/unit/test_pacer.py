@@ -168,18 +168,64 @@ def test_slow_start_is_paced_by_the_accepted_rate() -> None:
     assert state.rate == pytest.approx(20.0)  # 1.5 x 5/s accepted is below the rate
 
 
-def test_slow_start_ends_on_a_heavy_window_only_with_enough_refusals() -> None:
-    # 5 of 20 refused: heavy, but a sample this small may be another sender's probe
+def test_slow_start_grows_per_second_not_per_tick() -> None:
+    # at a 0.5 s tick, two ticks grow as much as one tick of 1 s: 1.5 x, not 2.25 x
+    p = replace(P, tick_seconds=0.5)
+    state = replace(initial_state(p, now=T0), rate=40.0)
+    for _ in range(2):  # everything sent was accepted
+        n = round(state.rate * 0.5)
+        window = OutcomeWindow(accepted=n, accepted_fresh=n, interval_seconds=0.5)
+        state, _ = run(state, window, full(n), dt=0.5, params=p)
+    assert state.ceiling is None
+    assert state.rate == pytest.approx(60.0)
+
+
+def test_slow_start_holds_on_a_few_refusals_and_ends_on_evidence_at_the_accepted_rate() -> None:
+    # 5 of 20 refused: a sample this small may be a burst or another sender's
+    # probe: slow start goes on, but does not grow into them
     state = replace(initial_state(P, now=T0), rate=20.0)
     few = OutcomeWindow(accepted=15, refused=5, accepted_fresh=15, refused_fresh=5)
     after, _ = run(state, few, full(20))
-    assert (after.ceiling, after.epoch) == (None, 0)
-    # 4 x refusal_min_count refused: evidence enough to end it
-    many = OutcomeWindow(accepted=12, refused=8, accepted_fresh=12, refused_fresh=8)
-    after, _ = run(state, many, full(20))
-    assert after.ceiling is not None
+    assert (after.rate, after.ceiling, after.epoch) == (20.0, None, 0)
+    # 5 of 100 refused at 120/s: evidence enough; the rate drops to the 95/s
+    # accepted (not to 120 x 95 %, nor to a quarter of the rate)
+    state = replace(initial_state(P, now=T0), rate=120.0)
+    window = OutcomeWindow(accepted=95, refused=5, accepted_fresh=95, refused_fresh=5)
+    after, _ = run(state, window, full(120))
     assert after.epoch == 1
-    assert after.rate < 20.0
+    assert after.rate == pytest.approx(95.0 * (1 - P.decrease_margin))
+    assert after.ceiling == pytest.approx(after.rate)
+
+
+def test_slow_start_ends_at_the_measured_rate_not_at_its_overshoot() -> None:
+    # the rate grew to 150/s while outcomes of jobs sent at 120/s came back, 100/s
+    # of them accepted: the rate drops to what was accepted, not to 150 x 100/120
+    state = replace(initial_state(P, now=T0), rate=150.0, delivered=100.0)
+    window = OutcomeWindow(accepted=100, refused=20, accepted_fresh=100, refused_fresh=20)
+    after, _ = run(state, window, full(150))
+    assert after.ceiling is not None
+    assert after.rate == pytest.approx(100.0 * (1 - P.decrease_margin))
+    assert after.rate <= 1.3 * 100.0
+
+
+def test_slow_start_holds_on_a_refusal_under_the_episode_threshold() -> None:
+    # one refusal in 200 outcomes is no episode, but the upstream is full: no growth
+    state = replace(initial_state(P, now=T0), rate=200.0, delivered=199.0)
+    one = OutcomeWindow(accepted=199, refused=1, accepted_fresh=199, refused_fresh=1)
+    after, _ = run(state, one, full(200))
+    assert (after.rate, after.ceiling, after.epoch) == (200.0, None, 0)
+
+
+def test_slow_start_holds_when_the_accepted_rate_stops_growing_with_the_rate() -> None:
+    # rate 100/s, accepted 80/s again (the average was 80/s): saturated, not lagging
+    state = replace(initial_state(P, now=T0), rate=100.0, delivered=80.0)
+    window = OutcomeWindow(accepted=80, accepted_fresh=80)
+    after, _ = run(state, window, full(100))
+    assert after.rate == 100.0
+    # still growing (80/s after an average of 60/s): only outcomes on their way
+    growing = replace(state, delivered=60.0)
+    after, _ = run(growing, window, full(100))
+    assert after.rate > 100.0
 
 
 def test_a_refusal_under_the_threshold_at_the_ceiling_stops_a_ladder() -> None:
