@@ -14,13 +14,18 @@
 
 -- name: claim_due
 -- Claims up to $3 due jobs of destination $1, oldest first, $2 of them reserved for the live lane; sets the claim lease.
-WITH closed AS (
+WITH dest AS MATERIALIZED (
+    -- the destination's row as last committed: FOR SHARE waits for a report or
+    -- pause in progress on it, so one that began before this claim is seen
+    SELECT d.paused, d.cooldown_until FROM pacerd.destinations d
+    WHERE d.destination = $1
+    FOR SHARE OF d
+), closed AS (
     -- paused, or in a Retry-After cool-down: checked here too, so that a tick
     -- that read the destination open claims nothing once a pause or a
     -- refusal has committed
-    SELECT 1 FROM pacerd.destinations d, pacerd.control c
-    WHERE d.destination = $1
-      AND (d.paused OR c.paused_all OR d.cooldown_until > coalesce($7::timestamptz, now()))
+    SELECT 1 FROM dest d, pacerd.control c
+    WHERE d.paused OR c.paused_all OR d.cooldown_until > coalesce($7::timestamptz, now())
 ), live AS (
     SELECT j.job_id, j.next_attempt_at
     FROM pacerd.jobs j
