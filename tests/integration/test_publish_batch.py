@@ -11,10 +11,12 @@ import datetime as dt
 import json
 import uuid
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import aio_pika
 import aiormq
 import pytest
+from support.proxy import FaultProxy
 
 from pacerd.errors import BrokerUnavailable, PublishTimeout
 from pacerd.models import ClaimedJob
@@ -116,19 +118,31 @@ async def test_a_timeout_fails_what_is_unconfirmed_and_the_channel_goes_on(amqp_
 async def test_a_channel_closed_under_the_batch_fails_it_as_broker_unavailable(
     amqp_url: str,
 ) -> None:
-    broker, destination = await _broker(amqp_url)
-    try:
-        jobs = [_job(f"c{i}", destination) for i in range(500)]
-        publishing = asyncio.ensure_future(broker.publish_many(jobs, [{}] * len(jobs)))
-        await asyncio.sleep(0)  # the batch is written; its confirms are awaited
-        underlay: Any = broker._underlay
-        await underlay.close()
-        results = await asyncio.wait_for(publishing, 10)
-        assert all(r is None or isinstance(r, BrokerUnavailable) for r in results)
-        assert any(isinstance(r, BrokerUnavailable) for r in results)
-        await _drain(amqp_url, destination)
-    finally:
-        await broker.close()
+    # The batch and the channel's close reach the broker back to back: the
+    # proxy holds what the client writes until both are written, so the close
+    # never waits behind a client descheduled on a busy machine (by then the
+    # broker would have confirmed the whole batch).
+    parts = urlsplit(amqp_url)
+    async with FaultProxy(parts.port or 5672, target_host=parts.hostname or "127.0.0.1") as proxy:
+        proxied = urlunsplit(parts._replace(netloc=f"{parts.username}:{parts.password}"
+                                                   f"@127.0.0.1:{proxy.port}"))  # fmt: skip
+        broker, destination = await _broker(proxied)
+        try:
+            jobs = [_job(f"c{i}", destination) for i in range(500)]
+            proxy.stall(up=True, down=False)
+            publishing = asyncio.ensure_future(broker.publish_many(jobs, [{}] * len(jobs)))
+            await asyncio.sleep(0.05)  # the batch is written (held by the proxy)
+            underlay: Any = broker._underlay
+            closing = asyncio.ensure_future(underlay.close())
+            await asyncio.sleep(0.05)  # the close is written behind it
+            proxy.unstall()
+            results = await asyncio.wait_for(publishing, 10)
+            await asyncio.wait_for(closing, 10)
+            assert all(r is None or isinstance(r, BrokerUnavailable) for r in results)
+            assert any(isinstance(r, BrokerUnavailable) for r in results)
+            await _drain(amqp_url, destination)
+        finally:
+            await broker.close()
 
 
 class _BlockedChannel:
