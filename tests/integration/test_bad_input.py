@@ -7,15 +7,13 @@ consumer. The rules are in docs/security.md."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from typing import TYPE_CHECKING
 
 import anyio
 import asyncpg
 import pytest
 from role_helpers import private_vhost
+from support.cli import run_pacerd
 
 from pacerd.publisher import OUTCOMES_QUEUE, Broker, ready_queue_name
 from pacerd.testing import apply_outcomes, offer_due
@@ -123,15 +121,6 @@ async def test_the_sql_api_refuses_or_stores_verbatim(ledger_: Ledger) -> None:
     assert await pool.fetchval("SELECT count(*) FROM pacerd.jobs") == len(VERBATIM_IDS) + 3
 
 
-def _pacerd(dsn: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PACERD_")}
-    env["PACERD_DATABASE__DSN"] = dsn
-    return subprocess.run(
-        [sys.executable, "-m", "pacerd", *args],
-        capture_output=True, text=True, env=env, timeout=60, check=False,
-    )  # fmt: skip
-
-
 async def test_the_cli_refuses_with_one_clear_line_or_stores_verbatim(db_dsn: str) -> None:
     for job_id, kind, destination, why in [
         ("a\x1b[2Jb", "k", "cli-bad", "job_id must not contain control characters"),
@@ -140,21 +129,23 @@ async def test_the_cli_refuses_with_one_clear_line_or_stores_verbatim(db_dsn: st
         ("ok-id", "k", "cli; DROP TABLE pacerd.jobs", "destination"),
         ("ok-id", "k", "a\nb", "destination"),
     ]:
-        done = _pacerd(db_dsn, "schedule", job_id, "--kind", kind, "--destination", destination)
+        done = run_pacerd(db_dsn, "schedule", job_id, "--kind", kind, "--destination", destination)
         assert done.returncode == 1, done
         assert done.stderr.startswith("pacerd: error: ")
         assert why in done.stderr
         assert "Traceback" not in done.stderr
-    bad_json = _pacerd(
+    bad_json = run_pacerd(
         db_dsn, "schedule", "j", "--kind", "k", "--destination", "d", "--payload", "{"
     )
     assert bad_json.returncode == 2
     assert "--payload is not valid JSON" in bad_json.stderr
 
     job_id = "'; DROP TABLE pacerd.jobs; --"
-    done = _pacerd(db_dsn, "schedule", job_id, "--kind", "$(rm -rf /)", "--destination", "cli-ok")
+    done = run_pacerd(
+        db_dsn, "schedule", job_id, "--kind", "$(rm -rf /)", "--destination", "cli-ok"
+    )
     assert (done.returncode, done.stdout.strip()) == (0, f"{job_id}: scheduled"), done.stderr
-    shown = _pacerd(db_dsn, "show", job_id, "--json")
+    shown = run_pacerd(db_dsn, "show", job_id, "--json")
     assert shown.returncode == 0, shown.stderr
     doc = json.loads(shown.stdout)
     assert (doc["job_id"], doc["kind"]) == (job_id, "$(rm -rf /)")

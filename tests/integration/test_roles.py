@@ -5,15 +5,13 @@ cluster; ``--print-grants`` and ``--no-roles`` (real PostgreSQL)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import uuid
 
 import anyio
 import asyncpg
 import pytest
 from role_helpers import ADMIN_DSN, admin, dsn_as, dsn_for, login_role, unique_role
+from support.cli import run_pacerd
 
 from pacerd import ledger
 from pacerd.roles import RoleNames
@@ -258,18 +256,9 @@ async def test_roles_created_meanwhile_by_other_migrates_are_not_an_error() -> N
             await admin(f"DROP ROLE IF EXISTS {role}")
 
 
-def _pacerd(dsn: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PACERD_")}
-    env["PACERD_DATABASE__DSN"] = dsn
-    return subprocess.run(
-        [sys.executable, "-m", "pacerd", *args],
-        capture_output=True, text=True, env=env, timeout=60, check=False,
-    )  # fmt: skip
-
-
 async def test_print_grants_shows_the_sql_and_changes_nothing(empty_db_dsn: str) -> None:
     producer = unique_role()
-    done = _pacerd(empty_db_dsn, "migrate", "--print-grants", "--producer-role", producer)
+    done = run_pacerd(empty_db_dsn, "migrate", "--print-grants", "--producer-role", producer)
     assert done.returncode == 0, done.stderr
     assert f"CREATE ROLE {producer} NOLOGIN" in done.stdout
     functions = "pacerd.schedule, pacerd.cancel, pacerd.is_current"
@@ -281,7 +270,7 @@ async def test_print_grants_shows_the_sql_and_changes_nothing(empty_db_dsn: str)
         assert not await conn.fetchval("SELECT count(*) FROM pg_roles WHERE rolname = $1", producer)
     finally:
         await conn.close()
-    bad = _pacerd(empty_db_dsn, "migrate", "--print-grants", "--worker-role", "x; DROP TABLE y")
+    bad = run_pacerd(empty_db_dsn, "migrate", "--print-grants", "--worker-role", "x; DROP TABLE y")
     assert bad.returncode == 2
     assert "role name 'x; DROP TABLE y'" in bad.stderr
 
@@ -289,7 +278,7 @@ async def test_print_grants_shows_the_sql_and_changes_nothing(empty_db_dsn: str)
 async def test_no_roles_creates_none_and_grants_those_that_exist(empty_db_dsn: str) -> None:
     missing = unique_role()
     async with login_role() as existing:
-        done = _pacerd(
+        done = run_pacerd(
             empty_db_dsn, "migrate", "--no-roles",
             "--producer-role", existing, "--worker-role", missing,
         )  # fmt: skip
@@ -317,9 +306,9 @@ async def test_cli_verbs_on_each_role(db_dsn: str) -> None:
     operator reads status, shows a job and pauses."""
     async with login_role(ROLES.producer) as producer, login_role(ROLES.operator) as operator:
         as_producer, as_operator = dsn_as(db_dsn, producer), dsn_as(db_dsn, operator)
-        done = _pacerd(as_producer, "schedule", "cli-1", "--kind", "k", "--destination", "cli-d")
+        done = run_pacerd(as_producer, "schedule", "cli-1", "--kind", "k", "--destination", "cli-d")
         assert (done.returncode, done.stdout.strip()) == (0, "cli-1: scheduled"), done.stderr
-        denied = _pacerd(as_producer, "status")
+        denied = run_pacerd(as_producer, "status")
         assert denied.returncode == 1
         assert "permission denied" in denied.stderr
         assert "Traceback" not in denied.stderr
@@ -329,9 +318,9 @@ async def test_cli_verbs_on_each_role(db_dsn: str) -> None:
             ("dead",),
             ("pause", "--destination", "cli-d"),
         ):
-            done = _pacerd(as_operator, *args)
+            done = run_pacerd(as_operator, *args)
             assert done.returncode == 0, (args, done.stderr)
-        assert "cli-d" in _pacerd(as_operator, "status").stdout
+        assert "cli-d" in run_pacerd(as_operator, "status").stdout
     conn = await asyncpg.connect(db_dsn)
     try:
         paused = await conn.fetchval(

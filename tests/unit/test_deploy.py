@@ -43,6 +43,7 @@ import opentelemetry.sdk.environment_variables as otel_env_sdk
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry
+from support.metrics import exercise_every_metric
 from support.services import ADMIN_DSN, dsn_for, with_user
 
 from pacerd import cli, config, daemon, ledger, worker
@@ -605,17 +606,7 @@ def scrape_every_metric() -> dict[str, set[str]]:
         prometheus_registry=registry, log_stream=io.StringIO(), instance="h:1",
     )  # fmt: skip
     try:
-        tel.record_tick(
-            "llm", rate=2.5, budget=3, admitted=2, inflight=4, due=10,
-            oldest_due_age_seconds=12.0, drain_eta_seconds=4.0, refused=1, duration_seconds=0.02,
-        )  # fmt: skip
-        tel.record_reconcile(claims_released=1, offers_rescheduled=1, offers_dead=1)
-        tel.record_outcome("refused", "stale")
-        tel.record_invalid_outcome("not_json")
-        tel.record_dead("llm", 3)
-        tel.record_leadership({"llm": True})
-        tel.record_admission_state("llm", paused=True, paused_locally=False, cooldown=True)
-        tel.record_publish("llm", confirm_seconds=0.01, nacked=1, returned=1, timeouts=1)
+        exercise_every_metric(tel, "llm")
         families = list(registry.collect())
     finally:
         tel.shutdown(timeout_seconds=2)

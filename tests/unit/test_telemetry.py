@@ -37,6 +37,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from pamqp.commands import Basic
 from pamqp.header import ContentHeader
 from prometheus_client import CollectorRegistry
+from support.metrics import exercise_every_metric
 
 from pacerd import __version__
 from pacerd import telemetry as tm
@@ -355,21 +356,6 @@ def test_prometheus_names_on_metrics(harness: Harness) -> None:
         "pacerd_publish_confirm_duration_seconds_bucket", "pacerd_publish_failures_total",
         "pacerd_build_info",
     } <= names  # fmt: skip
-
-
-def exercise_every_metric(tel: Telemetry) -> None:
-    """Records a value for every metric pacerd has (so each shows up on a scrape)."""
-    tel.record_tick(
-        "mail", rate=2.5, budget=3, admitted=2, inflight=4, due=10, oldest_due_age_seconds=12.0,
-        drain_eta_seconds=4.0, refused=1, duration_seconds=0.02,
-    )  # fmt: skip
-    tel.record_reconcile(claims_released=1, offers_rescheduled=1, offers_dead=1)
-    tel.record_outcome("refused", "stale")
-    tel.record_invalid_outcome("not_json")
-    tel.record_dead("mail", 3)
-    tel.record_leadership({"mail": True})
-    tel.record_admission_state("mail", paused=True, paused_locally=False, cooldown=True)
-    tel.record_publish("mail", confirm_seconds=0.01, nacked=1, returned=1, timeouts=1)
 
 
 def test_log_line_inside_a_tick_carries_its_trace_id(harness: Harness) -> None:

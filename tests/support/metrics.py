@@ -1,0 +1,23 @@
+"""Telemetry as the tests see it: a value recorded for every metric pacerd has."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pacerd.telemetry import Telemetry
+
+
+def exercise_every_metric(tel: Telemetry, destination: str = "mail") -> None:
+    """Records a value for every metric pacerd has (so each shows up on a scrape)."""
+    tel.record_tick(
+        destination, rate=2.5, budget=3, admitted=2, inflight=4, due=10,
+        oldest_due_age_seconds=12.0, drain_eta_seconds=4.0, refused=1, duration_seconds=0.02,
+    )  # fmt: skip
+    tel.record_reconcile(claims_released=1, offers_rescheduled=1, offers_dead=1)
+    tel.record_outcome("refused", "stale")
+    tel.record_invalid_outcome("not_json")
+    tel.record_dead(destination, 3)
+    tel.record_leadership({destination: True})
+    tel.record_admission_state(destination, paused=True, paused_locally=False, cooldown=True)
+    tel.record_publish(destination, confirm_seconds=0.01, nacked=1, returned=1, timeouts=1)
