@@ -9,8 +9,10 @@
 -- Lock order: a statement that waits for locks on several rows takes them in
 -- one order, jobs by job_id first, then destinations by name (a locking CTE,
 -- ORDER BY ... FOR UPDATE), so that two statements never wait on each other
--- in a cycle (40P01). The claim and the reconciler use SKIP LOCKED: they
--- never wait, whatever order they lock in.
+-- in a cycle (40P01). The claim and the reconciler use SKIP LOCKED on jobs:
+-- they never wait for a job. The claim first takes its one destination row
+-- FOR SHARE (it waits only for a report or pause in progress on it, which
+-- waits for no lock the claim holds), so it still joins no cycle.
 
 -- name: claim_due
 -- Claims up to $3 due jobs of destination $1, oldest first, $2 of them reserved for the live lane; sets the claim lease.
