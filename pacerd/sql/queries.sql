@@ -11,8 +11,8 @@
 -- ORDER BY ... FOR UPDATE), so that two statements never wait on each other
 -- in a cycle (40P01). The claim and the reconciler use SKIP LOCKED on jobs:
 -- they never wait for a job. The claim first takes its one destination row
--- FOR SHARE (it waits only for a report or pause in progress on it, which
--- waits for no lock the claim holds), so it still joins no cycle.
+-- FOR SHARE, before any job: while it waits for a report or pause in
+-- progress on that row it holds nothing they could wait for, so it joins no cycle.
 
 -- name: claim_due
 -- Claims up to $3 due jobs of destination $1, oldest first, $2 of them reserved for the live lane; sets the claim lease.
