@@ -7,4 +7,6 @@ bash scripts/services.sh
 .venv/bin/ruff check pacerd tests bench
 .venv/bin/ruff format --check pacerd tests bench
 .venv/bin/mypy
-.venv/bin/pytest -q "$@"
+# The tests that run daemons go to one worker, one at a time (their xdist_group,
+# tests/conftest.py); everything else is spread over the other worker(s).
+.venv/bin/pytest -q -n "${PACERD_TEST_WORKERS:-2}" --dist loadgroup "$@"

@@ -10,12 +10,12 @@ from __future__ import annotations
 import inspect
 import os
 import subprocess
-import sys
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 import pytest
+import simpool
 from blockbuster import blockbuster_ctx
 from support.services import ADMIN_DSN, AMQP_URL, amqp_url_for, dsn_for
 
@@ -124,16 +124,39 @@ def amqp_url() -> Iterator[str]:
         _rabbitmqctl("delete_vhost", vhost)
 
 
+# -- the simulation pool (tests/sim/simpool.py) and the split over workers ---------------
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    simpool.configure(config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """pytest-xdist, in the controller: each worker learns where the runs land."""
+    simpool.configure_node(node.config, node.workerinput)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
+    """pytest-xdist, in the controller: starts the runs once a worker has
+    collected (every worker collects the same tests)."""
+    simpool.start(node.config, ids)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Starts the simulation runs early, if any target test is selected."""
-    if any(item.path.name == "test_sim_targets.py" for item in session.items):
-        import simpool  # tests/sim is on sys.path once its tests are collected
-
-        simpool.start(session)
+    """Without pytest-xdist: starts the runs as soon as collection ends."""
+    if not hasattr(session.config, "workerinput"):
+        simpool.start(session.config, (item.nodeid for item in session.items))
 
 
-# Tests that run daemons as processes and read their records: the simulation
-# pool is paused while one of them runs, so it never takes their CPU.
+def pytest_unconfigure(config: pytest.Config) -> None:
+    simpool.stop(config)
+
+
+# Tests that run daemons as processes and read their records. Under
+# pytest-xdist (`--dist loadgroup`) they run one at a time, on one worker, while
+# the other workers run the rest.
 DAEMON_TEST_DIRS = frozenset({"e2e", "faults"})
 
 
@@ -141,20 +164,7 @@ def _runs_daemons(item: pytest.Item | None) -> bool:
     return item is not None and item.path.parent.name in DAEMON_TEST_DIRS
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    simpool = sys.modules.get("simpool")
-    if simpool is None or not _runs_daemons(item):
-        return (yield)
-    simpool.pause(item.session)
-    try:
-        return (yield)
-    finally:
-        if not _runs_daemons(nextitem):
-            simpool.resume(item.session)
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    simpool = sys.modules.get("simpool")
-    if simpool is not None:
-        simpool.stop(session)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _runs_daemons(item):
+            item.add_marker(pytest.mark.xdist_group("daemons"))
