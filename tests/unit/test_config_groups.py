@@ -6,8 +6,10 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import structlog
 
 from pacerd.config import Config, ReadyRoute, load_config
+from pacerd.daemon import Daemon
 from pacerd.errors import ConfigError
 from pacerd.pacer import PacingParams
 
@@ -178,3 +180,18 @@ def test_the_example_file_documents_groups() -> None:
     shown = tomllib.loads(uncommented)["groups"]["example"]
     config = Config.model_validate({"groups": {"example": shown}})
     assert config.route_for("tenant-1").queue == "pacerd.ready.example"
+
+
+def test_a_ledger_destination_named_like_a_group_outside_it_is_not_admitted(
+    tmp_path: Path,
+) -> None:
+    """A destination first seen in the ledger, named like a group whose glob it
+    does not fit, gets no admission loop, and ``destination_not_admitted`` is
+    logged once, not on every pass."""
+    daemon = Daemon(load(tmp_path, GROUPS), config_path=None, signals=False)
+    names = ["smtp", "t-all", "tenant-1", "tenants"]
+    with structlog.testing.capture_logs() as events:
+        assert daemon._without_shadows(names) == ["smtp", "t-all", "tenant-1"]
+        assert daemon._without_shadows(names) == ["smtp", "t-all", "tenant-1"]
+    refused = [e for e in events if e["event"] == "destination_not_admitted"]
+    assert [e["destination"] for e in refused] == ["tenants"]
