@@ -11,6 +11,7 @@ leases without sleeping.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
 import math
@@ -246,6 +247,21 @@ async def test_migrate_twice_is_a_noop(empty_db_dsn: str) -> None:
     first = await ledger.migrate(empty_db_dsn)
     assert first == [name for _, name, _ in ledger.migration_files()]
     assert await ledger.migrate(empty_db_dsn) == []
+
+
+async def test_concurrent_migrates_of_one_database_apply_each_migration_once(
+    empty_db_dsn: str,
+) -> None:
+    """Two ``pacerd migrate`` at once on one database: the advisory lock makes
+    one apply every migration and the other find the schema up to date."""
+    runs = await asyncio.gather(*(ledger.migrate(empty_db_dsn) for _ in range(2)))
+    names = [name for _, name, _ in ledger.migration_files()]
+    assert sorted(runs) == [[], names]
+    conn = await asyncpg.connect(empty_db_dsn)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM pacerd.migrations") == len(names)
+    finally:
+        await conn.close()
 
 
 async def test_every_named_query_prepares_on_a_migrated_database(empty_db_dsn: str) -> None:
