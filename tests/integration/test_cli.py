@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tomllib
 from typing import TYPE_CHECKING
 
+import asyncpg
 import pytest
 
 from pacerd.client import Client
 from pacerd.exitcodes import (
     EX_FAILURE,
+    EX_INTERRUPTED,
     EX_NOT_MIGRATED,
     EX_OK,
     EX_UNAVAILABLE,
@@ -214,6 +218,28 @@ async def test_unknown_jobs_have_their_own_exit_status(db_dsn: str) -> None:
         assert result.returncode == EX_UNKNOWN_JOB, (args, result.stdout, result.stderr)
     bad_input = pacerd(db_dsn, "schedule", " ", "--kind", "k", "--destination", "d")
     assert bad_input.returncode == EX_FAILURE
+
+
+async def test_an_interrupted_verb_exits_130(db_dsn: str) -> None:
+    """SIGINT (Ctrl-C) to ``status --watch``, once its session is on the
+    ledger, ends it with exit status 130 and no traceback."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PACERD_")}
+    env["PACERD_DATABASE__DSN"] = db_dsn
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "pacerd", "status", "--watch", env=env,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        query = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+        while await conn.fetchval(query) < 2 and proc.returncode is None:
+            await asyncio.sleep(0.05)
+    finally:
+        await conn.close()
+    proc.send_signal(signal.SIGINT)
+    _, stderr = await asyncio.wait_for(proc.communicate(), timeout=30)
+    assert proc.returncode == EX_INTERRUPTED, stderr
+    assert b"Traceback" not in stderr
 
 
 async def test_an_unmigrated_ledger_is_not_retried(empty_db_dsn: str) -> None:
