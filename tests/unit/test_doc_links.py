@@ -18,7 +18,10 @@ DOCS = sorted(
     ]
 )
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+DEFINITION = re.compile(r"^ {0,3}\[([^\]]+)\]:\s*(\S+)", re.MULTILINE)
+REFERENCE = re.compile(r"(?<!!)\[[^\]]+\]\[([^\]]+)\]")
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
+CODE = re.compile(r"`[^`\n]*`")
 
 
 def slug(heading: str) -> str:
@@ -41,7 +44,9 @@ def anchors(path: Path) -> set[str]:
 
 
 def links(path: Path) -> list[str]:
-    return LINK.findall(FENCE.sub("", path.read_text()))
+    """Inline link targets, and those of reference definitions ``[name]: target``."""
+    text = FENCE.sub("", path.read_text())
+    return LINK.findall(text) + [target for _, target in DEFINITION.findall(text)]
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
@@ -57,6 +62,13 @@ def test_relative_links_resolve(doc: Path) -> None:
         elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
             broken.append(f"{target}: no heading #{anchor}")
     assert broken == []
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_reference_links_are_defined(doc: Path) -> None:
+    text = CODE.sub("", FENCE.sub("", doc.read_text()))
+    defined = {name.lower() for name, _ in DEFINITION.findall(text)}
+    assert sorted({n for n in REFERENCE.findall(text) if n.lower() not in defined}) == []
 
 
 def test_slugs_follow_github() -> None:
