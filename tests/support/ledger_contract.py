@@ -20,7 +20,8 @@ BACKLOG_AGO = 600.0  # a backlog job falls due this long ago (beyond the live wi
 
 
 class LedgerDriver(Protocol):
-    ledger: AdmissionLedger
+    @property
+    def ledger(self) -> AdmissionLedger: ...
 
     async def schedule(self, job_id: str, *, ago: float) -> None:
         """A new job of ``DEST``, due ``ago`` seconds ago (negative: not yet due)."""

@@ -22,9 +22,14 @@ UNROUTABLE = "contract-nowhere"  # no queue is ever bound for it
 
 
 class PublisherDriver(Protocol):
-    publisher: Publisher
-    routed: str
-    refusing: str
+    @property
+    def publisher(self) -> Publisher: ...
+
+    @property
+    def routed(self) -> str: ...
+
+    @property
+    def refusing(self) -> str: ...
 
 
 def job(job_id: str, destination: str) -> ClaimedJob:
