@@ -613,8 +613,9 @@ def run_botocore(plan: Plan) -> Trace:
 
 
 def run_sim(plan: Plan, seed: int) -> Trace:
-    if str(SIM_DIR) not in sys.path:
-        sys.path.insert(0, str(SIM_DIR))
+    for folder in (str(SIM_DIR.parent), str(SIM_DIR)):  # the shared fakes: ``support``
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
     import simdriver
     import simlib
 

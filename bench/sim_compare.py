@@ -25,12 +25,21 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 SIM_DIR = Path(__file__).resolve().parent.parent / "tests" / "sim"
+# the simulation's modules import each other flatly, and the shared fakes as ``support``
+IMPORT_DIRS = (str(SIM_DIR.parent), str(SIM_DIR))
+
+
+def _on_path() -> None:
+    for folder in IMPORT_DIRS:
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+
+
 LAWS = ("pacerd", "halving")
 
 
 def _metrics(job: tuple[str, str, int]) -> tuple[str, str, int, dict[str, float]]:
-    if str(SIM_DIR) not in sys.path:
-        sys.path.insert(0, str(SIM_DIR))
+    _on_path()
     import scenarios
 
     name, law, seed = job
@@ -43,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(SIM_DIR))
+    _on_path()
     import scenarios
 
     names = args.scenarios or list(scenarios.SCENARIOS)

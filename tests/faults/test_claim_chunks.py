@@ -7,20 +7,21 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
-from tickrig import BatchPublisher, FreeCosts, SlowLedger, VirtualClock
+from support.fakes import FakePublisher, VirtualClock
+from tickrig import FreeCosts, SlowLedger
 
 from pacerd.admission import CLAIM_CHUNK, AdmissionConfig, DestinationAdmission, TickResult
 from pacerd.errors import LedgerUnavailable
 from pacerd.pacer import PacingParams
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
 
     from pacerd.errors import PublishError
-    from pacerd.models import ClaimedJob, DestinationRow, JobRef
+    from pacerd.models import ClaimedJob, DestinationRow
 
 ROW_SECONDS = 20e-6  # a claim costs 20 ms per 1,000 rows (PostgreSQL's side)
 CONFIRM_SECONDS = 0.01
@@ -28,8 +29,8 @@ CONFIRM_SECONDS = 0.01
 
 class ChunkLedger(SlowLedger):
     """A backlog of ``backlog`` due jobs; claims cost time per row and are
-    recorded; the destination can close at ``closes_at``; the ``fail_on``-th
-    claim fails."""
+    recorded (releases too: ``released``); the destination can close at
+    ``closes_at``; the ``fail_on``-th claim fails."""
 
     def __init__(
         self,
@@ -42,15 +43,18 @@ class ChunkLedger(SlowLedger):
         super().__init__(clock, FreeCosts(clock))
         self.backlog, self.closes_at, self.fail_on = backlog, closes_at, fail_on
         self.claims: list[tuple[int, int, float]] = []  # (limit, got, finished at)
-        self.released: list[JobRef] = []
 
-    async def read_destination(self, destination: str) -> DestinationRow:
+    async def read_destination(self, destination: str) -> DestinationRow | None:
         row = await super().read_destination(destination)
-        if self.closes_at is not None and self.clock.monotonic() >= self.closes_at:
+        if (
+            row is not None
+            and self.closes_at is not None
+            and self.clock.monotonic() >= self.closes_at
+        ):
             return dataclasses.replace(row, cooldown_until=self.clock.now() + dt.timedelta(10))
         return row
 
-    async def claim_due(self, destination: str, *, limit: int, **kw: object) -> list[ClaimedJob]:
+    async def claim_due(self, destination: str, *, limit: int, **kw: Any) -> list[ClaimedJob]:
         if self.fail_on is not None and len(self.claims) + 1 == self.fail_on:
             self.claims.append((limit, 0, self.clock.monotonic()))
             raise LedgerUnavailable("the ledger went away")
@@ -60,29 +64,21 @@ class ChunkLedger(SlowLedger):
         self.claims.append((limit, len(jobs), self.clock.monotonic()))
         return jobs
 
-    async def release_claims(self, refs: Sequence[JobRef], **_: object) -> list[JobRef]:
-        self.released.extend(refs)
-        return list(refs)
 
-
-class ConfirmingPublisher(BatchPublisher):
-    """Confirms each slice ``CONFIRM_SECONDS`` later; records when slices went
-    out and the most jobs claimed but not yet handed to the broker."""
+class ConfirmingPublisher(FakePublisher):
+    """Confirms each slice ``CONFIRM_SECONDS`` later (``sent_at``: when slices
+    went out); records the most jobs claimed but not yet handed to the broker."""
 
     def __init__(self, clock: VirtualClock, ledger: ChunkLedger) -> None:
-        self.clock, self.ledger = clock, ledger
-        self.sent_at: list[float] = []
-        self.sent = self.confirmed = self.most_ahead = 0
+        super().__init__(clock, confirm_seconds=CONFIRM_SECONDS)
+        self.ledger = ledger
+        self.most_ahead = 0
 
     async def publish_many(
-        self, jobs: Sequence[ClaimedJob], headers: object
+        self, jobs: Sequence[ClaimedJob], headers: Sequence[Mapping[str, str]]
     ) -> list[PublishError | None]:
-        self.sent += len(jobs)
-        self.sent_at.append(self.clock.monotonic())
-        self.most_ahead = max(self.most_ahead, self.ledger.claimed - self.sent)
-        await self.clock.sleep(CONFIRM_SECONDS)
-        self.confirmed += len(jobs)
-        return [None] * len(jobs)
+        self.most_ahead = max(self.most_ahead, self.ledger.claimed - self.sent - len(jobs))
+        return await super().publish_many(jobs, headers)
 
 
 def _admission(clock: VirtualClock, ledger: ChunkLedger, rate: float) -> DestinationAdmission:

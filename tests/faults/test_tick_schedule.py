@@ -15,15 +15,8 @@ import itertools
 from typing import TYPE_CHECKING, Any
 
 import anyio
-from tickrig import (
-    BatchPublisher,
-    Costs,
-    FreeCosts,
-    SlowLedger,
-    Ticks,
-    VirtualClock,
-    run_loop,
-)
+from support.fakes import FakePublisher, VirtualClock
+from tickrig import Costs, FreeCosts, SlowLedger, Ticks, run_loop
 
 from pacerd.admission import (
     BROKER_BACKOFF_MAX_SECONDS,
@@ -35,24 +28,13 @@ from pacerd.errors import LedgerUnavailable, PublishError, PublishTimeout
 from pacerd.pacer import PacingParams
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Sequence
+    from collections.abc import Iterator, Mapping, Sequence
 
-    from pacerd.models import ClaimedJob, DestinationRow, JobRef
+    from pacerd.models import ClaimedJob, DestinationRow
 
 TICK_SECONDS = 0.2
 RATE = 300.0
 SIMULATED_SECONDS = 4.0
-
-
-class SlowPublisher(BatchPublisher):
-    def __init__(self, costs: Costs) -> None:
-        self.costs = costs
-
-    async def publish_many(
-        self, jobs: Sequence[ClaimedJob], headers: object
-    ) -> list[PublishError | None]:
-        await self.costs.operation(len(jobs))
-        return [None] * len(jobs)
 
 
 async def test_a_busy_tick_ends_by_its_deadline_and_the_loop_admits_its_rate() -> None:
@@ -66,7 +48,7 @@ async def test_a_busy_tick_ends_by_its_deadline_and_the_loop_admits_its_rate() -
         max_inflight=1_000_000,
     )  # fmt: skip
     admission = DestinationAdmission(
-        ledger=ledger, publisher=SlowPublisher(costs), clock=clock,
+        ledger=ledger, publisher=FakePublisher(price=costs.operation), clock=clock,
         config=AdmissionConfig(destination="d", queue="q", params=params), observer=ticks,
     )  # fmt: skip
     await run_loop(clock, admission, stop, SIMULATED_SECONDS + 1)
@@ -80,19 +62,21 @@ async def test_a_busy_tick_ends_by_its_deadline_and_the_loop_admits_its_rate() -
     assert median_gap <= 1.25 * TICK_SECONDS, f"a busy tick every {median_gap:.3f} s"
 
 
-class StalledPublisher(BatchPublisher):
+class StalledPublisher(FakePublisher):
     """A broker that holds every confirm past the publish timeout until ``until``
     (a memory alarm), then confirms at once; counts what was sent meanwhile."""
 
     def __init__(self, clock: VirtualClock, until: float, timeout: float) -> None:
-        self.clock, self.until, self.timeout = clock, until, timeout
+        super().__init__(clock)
+        self.until, self.timeout = until, timeout
         self.sent_while_stalled = 0
 
     async def publish_many(
-        self, jobs: Sequence[ClaimedJob], headers: object
+        self, jobs: Sequence[ClaimedJob], headers: Sequence[Mapping[str, str]]
     ) -> list[PublishError | None]:
+        assert self.clock is not None
         if self.clock.monotonic() >= self.until:
-            return [None] * len(jobs)
+            return await super().publish_many(jobs, headers)
         self.sent_while_stalled += len(jobs)
         await self.clock.sleep(self.timeout)
         return [PublishTimeout() for _ in jobs]
@@ -128,30 +112,12 @@ async def test_after_confirm_timeouts_admission_backs_off_and_probes_with_one_jo
     assert all(r.skipped is None for _, r in after)
 
 
-class SlowConfirms(BatchPublisher):
-    """A broker whose confirms take ``delay``; records the most awaiting at once."""
-
-    def __init__(self, clock: VirtualClock, delay: float) -> None:
-        self.clock, self.delay = clock, delay
-        self.unconfirmed = self.peak = self.confirmed = 0
-
-    async def publish_many(
-        self, jobs: Sequence[ClaimedJob], headers: object
-    ) -> list[PublishError | None]:
-        self.unconfirmed += len(jobs)
-        self.peak = max(self.peak, self.unconfirmed)
-        await self.clock.sleep(self.delay)
-        self.unconfirmed -= len(jobs)
-        self.confirmed += len(jobs)
-        return [None] * len(jobs)
-
-
 async def test_releases_wait_for_confirms_when_the_broker_lags_the_rate() -> None:
     clock = VirtualClock()
     stop = anyio.Event()
     rate, delay = 5_000.0, 0.5  # 100 a slice every 20 ms; each slice confirmed 0.5 s later
     ticks = Ticks(clock, stop, until=6.0)
-    publisher = SlowConfirms(clock, delay)
+    publisher = FakePublisher(clock, confirm_seconds=delay)  # the most awaiting at once: peak
     params = PacingParams(
         tick_seconds=1.0, initial_rate=rate, min_rate=rate, max_rate=rate, max_inflight=10**7
     )
@@ -176,7 +142,7 @@ class FlakyLedger(SlowLedger):
         self.down_from, self.down_until = down_from, down_until
         self.failed_calls = 0
 
-    async def read_destination(self, destination: str) -> DestinationRow:
+    async def read_destination(self, destination: str) -> DestinationRow | None:
         row = await super().read_destination(destination)
         if self.down_from <= self.clock.monotonic() < self.down_until:
             self.failed_calls += 1
@@ -193,7 +159,7 @@ async def test_a_ledger_lost_mid_tick_stops_the_tick_not_the_loop() -> None:
         tick_seconds=1.0, initial_rate=100.0, min_rate=100.0, max_rate=100.0, max_inflight=10**6
     )
     admission = DestinationAdmission(
-        ledger=ledger, publisher=SlowConfirms(clock, 0.01), clock=clock,
+        ledger=ledger, publisher=FakePublisher(clock, confirm_seconds=0.01), clock=clock,
         config=AdmissionConfig(destination="d", queue="q", params=params), observer=ticks,
     )  # fmt: skip
     await run_loop(clock, admission, stop, 30.0)  # raises nothing
@@ -207,18 +173,20 @@ async def test_a_ledger_lost_mid_tick_stops_the_tick_not_the_loop() -> None:
     assert all(r.claimed > 0 and r.released == 0 for r in later)
 
 
-class RecordingPublisher(BatchPublisher):
+class RecordingPublisher(FakePublisher):
     """Records each release: (start of the tick publishing it, time)."""
 
     def __init__(self, clock: VirtualClock, starts: list[float]) -> None:
-        self.clock, self.starts = clock, starts
+        super().__init__(clock)
+        self.starts = starts
         self.releases: list[tuple[float, float]] = []
 
     async def publish_many(
-        self, jobs: Sequence[ClaimedJob], headers: object
+        self, jobs: Sequence[ClaimedJob], headers: Sequence[Mapping[str, str]]
     ) -> list[PublishError | None]:
+        assert self.clock is not None
         self.releases.append((self.starts[-1], self.clock.monotonic()))
-        return [None] * len(jobs)
+        return await super().publish_many(jobs, headers)
 
 
 class TickStarts(Ticks):
@@ -245,8 +213,8 @@ async def _release_times(destination: str, ticks: int) -> list[list[float]]:
         max_inflight=1_000_000,
     )  # fmt: skip
     admission = DestinationAdmission(
-        ledger=SlowLedger(clock, FreeCosts(clock)), publisher=publisher, clock=clock,
-        config=AdmissionConfig(destination=destination, queue="q", params=params),
+        ledger=SlowLedger(clock, FreeCosts(clock), destination=destination), publisher=publisher,
+        clock=clock, config=AdmissionConfig(destination=destination, queue="q", params=params),
         observer=recorder,
     )  # fmt: skip
     await run_loop(clock, admission, stop, ticks + 1.0)
@@ -284,19 +252,14 @@ class ClosingLedger(SlowLedger):
     def __init__(self, clock: VirtualClock, costs: Costs) -> None:
         super().__init__(clock, costs)
         self.reads = 0
-        self.released: list[JobRef] = []
 
-    async def read_destination(self, destination: str) -> DestinationRow:
+    async def read_destination(self, destination: str) -> DestinationRow | None:
         row = await super().read_destination(destination)
         self.reads += 1
-        if self.reads == 1:
+        if self.reads == 1 or row is None:
             return row
         until = self.clock.now() + dt.timedelta(seconds=30)
         return dataclasses.replace(row, cooldown_until=until)
-
-    async def release_claims(self, refs: Sequence[JobRef], **_: object) -> list[JobRef]:
-        self.released.extend(refs)
-        return list(refs)
 
 
 async def test_a_retry_after_reported_after_the_tick_read_stops_its_first_release() -> None:

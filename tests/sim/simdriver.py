@@ -4,17 +4,18 @@ Each instance of a scenario is pacerd's own ``run_destination`` looping over a
 ``DestinationAdmission`` (``pacerd/admission.py``, with the law under test as
 its ``law``), on a ``SimClock`` of its own, over two fakes:
 
-- ``FakeLedger`` (``admission.AdmissionLedger``) over the destination's
-  ``SimLedger``: the destination row with its monotonic outcome counters,
-  cool-down and pacer state, the in-flight count, the two-lane claim of
-  ``claim_due`` stamping the epoch, mark-offered, release and the saved pacer
-  state. It never awaits: a statement takes no virtual time;
-- ``FakePublisher`` (``publisher.Publisher``, ``publish`` and
-  ``publish_many``): every publish is confirmed at once and the job goes to
-  the instance's worker pool at that virtual time (then the broker delay).
-  The pool takes it when the driver next runs, before time moves, in
-  instance order: the draws from the run's one seeded RNG never depend on
-  the order in which trio runs tasks, so a seed gives one result.
+- ``SimAdmissionLedger`` (``admission.AdmissionLedger``), a thin view of the
+  destination's ``SimLedger``: the destination row with its monotonic
+  outcome counters, cool-down and pacer state, the in-flight count, the
+  two-lane claim of ``claim_due`` stamping the epoch, mark-offered, release
+  and the saved pacer state. It never awaits: a statement takes no virtual
+  time. It passes the ledger contract suite (``test_sim_contract.py``);
+- the shared ``support.fakes.FakePublisher`` (``publisher.Publisher``):
+  every publish is confirmed at once and the job goes to the instance's
+  worker pool at that virtual time (then the broker delay). The pool takes
+  it when the driver next runs, before time moves, in instance order: the
+  draws from the run's one seeded RNG never depend on the order in which
+  trio runs tasks, so a seed gives one result.
 
 One trio run holds the instances and one driver task. The driver waits until
 every task is blocked, hands what was published to the worker pools, takes
@@ -36,6 +37,7 @@ import trio
 import trio.testing
 from simclock import EPOCH_AT, SimClock, SimTime
 from simlib import LAWS, Law, RunResult, Scenario, SimLedger, TickRecord, World
+from support.fakes import FakePublisher
 
 from pacerd.admission import AdmissionConfig, DestinationAdmission, run_destination
 from pacerd.models import ClaimedJob, DestinationRow
@@ -43,7 +45,6 @@ from pacerd.models import ClaimedJob, DestinationRow
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
-    from pacerd.errors import PublishError
     from pacerd.models import JobRef
     from pacerd.pacer import Demand, OutcomeWindow, PacerState, TickPlan
 
@@ -86,18 +87,28 @@ class TickProbe:
         return state, plan
 
 
-class FakeLedger:
-    """``AdmissionLedger`` over one destination's ``SimLedger`` (one instance's view)."""
+class SimAdmissionLedger:
+    """``AdmissionLedger`` over one destination's ``SimLedger`` (one instance's
+    view); ``probe`` (if any) is told each tick's claimed count."""
 
     def __init__(
-        self, ledger: SimLedger, time: SimTime, probe: TickProbe, *, live_window_seconds: float
+        self,
+        ledger: SimLedger,
+        time: SimTime,
+        probe: TickProbe | None,
+        *,
+        destination: str,
+        live_window_seconds: float,
     ) -> None:
         self.ledger = ledger
         self.time = time
         self.probe = probe
+        self.destination = destination
         self.live_window_seconds = live_window_seconds
 
     async def read_destination(self, destination: str) -> DestinationRow | None:
+        if destination != self.destination:
+            return None
         led, t = self.ledger, self.time.t
         cooldown = led.cooldown_until
         return DestinationRow(
@@ -140,7 +151,7 @@ class FakeLedger:
             epoch=epoch,
             live_window_seconds=live_window_seconds,
         )
-        if self.probe.current is not None:
+        if self.probe is not None and self.probe.current is not None:
             self.probe.current.claimed = len(jobs)
         return [
             ClaimedJob(
@@ -151,7 +162,7 @@ class FakeLedger:
                 revision=0,
                 payload_json="{}",
                 cursor_json=None,
-                eligible_at=EPOCH_AT,
+                eligible_at=EPOCH_AT + dt.timedelta(seconds=job.due),
                 live=job.lane_live,
             )
             for job in jobs
@@ -173,28 +184,16 @@ class FakeLedger:
         return int(min(at_least, live + backlog))
 
 
-class FakePublisher:
-    """``Publisher``: confirms every message; the job goes to the worker pool."""
+def sim_publisher(world: World, instance: int, ledger: SimLedger) -> FakePublisher:
+    """The shared fake publisher: every message is confirmed at once and its
+    job handed to ``instance``'s worker pool."""
+    publish, claimed = world.publish, ledger.claimed
 
-    def __init__(self, world: World, instance: int, ledger: SimLedger) -> None:
-        self.world = world
-        self.instance = instance
-        self.ledger = ledger
-        self.declared: set[str] = set()
-
-    async def declare_destination(self, destination: str, queue: str) -> None:
-        self.declared.add(destination)
-
-    async def publish(self, job: ClaimedJob, headers: Mapping[str, str]) -> None:
-        self.world.publish(self.instance, self.ledger.claimed[job.job_id])
-
-    async def publish_many(
-        self, jobs: Sequence[ClaimedJob], headers: Sequence[Mapping[str, str]]
-    ) -> list[PublishError | None]:
-        publish, claimed, instance = self.world.publish, self.ledger.claimed, self.instance
+    def dispatch(jobs: Sequence[ClaimedJob]) -> None:
         for job in jobs:
             publish(instance, claimed[job.job_id])
-        return [None] * len(jobs)
+
+    return FakePublisher(on_confirmed=dispatch)
 
 
 def run(sc: Scenario, law: Law | str, seed: int) -> RunResult:
@@ -251,8 +250,14 @@ async def _instance(
     probe = TickProbe(law, i, time, world.res.ticks)
     destination = destination_name(spec.ledger)
     admission = DestinationAdmission(
-        ledger=FakeLedger(ledger, time, probe, live_window_seconds=sc.params.live_window_seconds),
-        publisher=FakePublisher(world, i, ledger),
+        ledger=SimAdmissionLedger(
+            ledger,
+            time,
+            probe,
+            destination=destination,
+            live_window_seconds=sc.params.live_window_seconds,
+        ),
+        publisher=sim_publisher(world, i, ledger),
         clock=SimClock(time, offset=spec.clock_offset),
         config=AdmissionConfig(
             destination=destination,
