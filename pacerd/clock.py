@@ -47,7 +47,10 @@ class ManualClock:
     """A clock that moves only when told to, or by itself in autojump mode.
 
     In autojump mode ``sleep_until`` advances the clock to the deadline at once,
-    so a loop that sleeps runs through simulated time without real waiting.
+    so a loop that sleeps runs through simulated time without real waiting. It
+    serves one sleeper at a time: concurrent sleepers wake in the order they
+    sleep, not by deadline (``tests/support/fakes.py``'s ``VirtualClock``
+    serves many; the contract suite holds both).
     """
 
     def __init__(
