@@ -2,9 +2,9 @@
 followed by ``mark_offered`` for each batch, on a scratch database of N due
 rows that this script creates and drops itself.
 
-    .venv/bin/python bench/claim.py                        # 10k and 1M rows, ~5 minutes
-    .venv/bin/python bench/claim.py --rows 1000000 --batch 500
-    .venv/bin/python bench/claim.py --rows 10000 --no-plans
+    .venv/bin/python -m bench.claim                        # 10k and 1M rows, ~5 minutes
+    .venv/bin/python -m bench.claim --rows 1000000 --batch 500
+    .venv/bin/python -m bench.claim --rows 10000 --no-plans
 
 For every backlog size and batch size it prints rows/s, and p50/p99 of the
 per-batch latency (claim + confirm, and the claim alone), and for a batch of
@@ -23,32 +23,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import time
 import uuid
-from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
+from bench import common
 from pacerd import ledger
 
-ADMIN_DSN = os.environ.get("BENCH_ADMIN_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
-DESTINATION = "bench"
+DESTINATION = common.DESTINATION
 LIVE_WINDOW_SECONDS = 60.0
 PLAN_BATCH = 500
-
-
-def dsn_for(database: str) -> str:
-    return urlunsplit(urlsplit(ADMIN_DSN)._replace(path=f"/{database}"))
-
-
-async def admin(sql: str) -> None:
-    conn = await asyncpg.connect(ADMIN_DSN)
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
 
 
 async def seed(conn: asyncpg.Connection, rows: int, chunk: int = 250_000) -> float:
@@ -171,10 +157,10 @@ async def explain(conn: asyncpg.Connection, sql: str, batch: int) -> tuple[str, 
 
 async def bench_size(args: argparse.Namespace, rows: int) -> list[str]:
     name = f"pacerd_bench_claim_{uuid.uuid4().hex[:8]}"
-    await admin(f'CREATE DATABASE "{name}"')
+    await common.admin(f'CREATE DATABASE "{name}"')
     lines: list[str] = []
     try:
-        dsn = dsn_for(name)
+        dsn = common.dsn_for(name)
         await ledger.migrate(dsn)
         conn = await asyncpg.connect(dsn)
         led = await ledger.Ledger.connect(dsn, max_size=2)
@@ -212,7 +198,7 @@ async def bench_size(args: argparse.Namespace, rows: int) -> list[str]:
             await conn.close()
     finally:
         if not args.keep:
-            await admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            await common.admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     return lines
 
 

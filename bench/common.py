@@ -43,9 +43,9 @@ READY_QUEUE = f"pacerd.ready.{DESTINATION}"
 PAD = "x" * 40
 
 
-def dsn_for(database: str) -> str:
-    parts = urlsplit(ADMIN_DSN)
-    return urlunsplit(parts._replace(path=f"/{database}"))
+def dsn_for(database: str, admin_dsn: str = ADMIN_DSN) -> str:
+    """``admin_dsn`` with its database replaced by ``database``."""
+    return urlunsplit(urlsplit(admin_dsn)._replace(path=f"/{database}"))
 
 
 async def admin(sql: str) -> None:

@@ -52,6 +52,7 @@ from ha_helpers import (  # the e2e helpers: instances, ledger queries
     schedule_backlog,
 )
 
+from bench import common
 from pacerd import ledger
 
 ADMIN_DSN = os.environ.get("PACERD_BENCH_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -110,7 +111,7 @@ def _tick_of(group: ClaimGroup, ticks: list[Tick]) -> Tick | None:
 async def run(args: argparse.Namespace) -> int:
     tag = uuid.uuid4().hex[:8]
     database = f"pacerd_failover_{tag}"
-    dsn = urlunsplit(urlsplit(ADMIN_DSN)._replace(path=f"/{database}"))
+    dsn = common.dsn_for(database, ADMIN_DSN)
     vhost = f"pacerd-failover-{tag}"
     amqp_url = AMQP_URL
     if _rabbitmqctl("add_vhost", vhost):

@@ -1,49 +1,33 @@
 """Helpers for the high-availability tests and the failover benchmark:
-`pacerd run` instances as subprocesses (JSON debug logs), the model upstream
+`pacerd run` instances (``support.daemon``, JSON debug logs), the model upstream
 behind the worker library, and the ledger queries that check one budget per
 destination whatever happens to the instances."""
 
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import itertools
 import json
-import os
 import signal
-import subprocess
-import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import asyncpg
-from support.records import TICK_EVENT, records
+from support.daemon import Daemon, utcnow
+from support.records import TICK_EVENT
 
 from pacerd.testing.demo_app import call_upstream
 from pacerd.testing.upstream import CapacitySchedule, ModelUpstream, UpstreamParams
 from pacerd.worker import Job, Worker, WorkerApp
 
 if TYPE_CHECKING:
+    import datetime as dt
     from collections.abc import AsyncIterator, Iterable, Sequence
     from pathlib import Path
 
 LEADER_NAMESPACE = 0x70616365  # pacerd.ledger.LEADER_NAMESPACE
-
-# `python -m pacerd run`, with the AMQP client libraries' debug logs (a line per
-# frame) kept out of the log: the tests read pacerd's own debug events.
-RUN_PACERD = """
-import logging, sys
-for name in ("aiormq", "aio_pika"):
-    logging.getLogger(name).setLevel(logging.INFO)
-from pacerd.cli import main
-sys.exit(main())
-"""
-
-
-def utcnow() -> dt.datetime:
-    return dt.datetime.now(dt.UTC)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -96,79 +80,14 @@ log_level = "debug"
     return path
 
 
-class Instance:
-    """One `pacerd run` subprocess, its JSON log, and when it was killed."""
-
-    def __init__(self, name: str, config: Path, log: Path) -> None:
-        self.name = name
-        self.config = config
-        self.log = log
-        self.killed_at: dt.datetime | None = None
-        env = {**os.environ, "OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none"}
-        env = {k: v for k, v in env.items() if not k.startswith("PACERD_") or "TEST" in k}
-        env["PYTHONUNBUFFERED"] = "1"  # a kill -9 must not lose the log lines written so far
-        self._out = log.open("ab")
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", RUN_PACERD, "run", "-c", str(config)],
-            stdout=self._out,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-
-    @property
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def events(self, event: str | None = None, **match: object) -> list[dict[str, Any]]:
-        out = []
-        for record in records(self.log.read_text(errors="replace"), event):
-            if all(record.get(k) == v for k, v in match.items()):
-                record["at"] = dt.datetime.fromisoformat(record["timestamp"])
-                out.append(record)
-        return out
-
-    async def wait_event(
-        self, event: str, *, within: float = 20, **match: object
-    ) -> dict[str, Any]:
-        with anyio.fail_after(within):
-            while not (found := self.events(event, **match)):
-                assert self.alive, self.log.read_text()[-3000:]
-                await anyio.sleep(0.05)
-        return found[0]
-
-    def kill9(self) -> dt.datetime:
-        self.killed_at = utcnow()
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait()
-        self._out.close()
-        return self.killed_at
-
-    def terminate(self) -> None:
-        if self.alive:
-            self.process.send_signal(signal.SIGTERM)
-
-    async def wait_exit(self, *, within: float) -> int:
-        with anyio.fail_after(within):
-            while self.process.poll() is None:
-                await anyio.sleep(0.05)
-        self._out.close()
-        return self.process.returncode
-
-    def stop_now(self) -> None:
-        if self.alive:
-            self.process.kill()
-            self.process.wait()
-        self._out.close()
-
-
 class Cluster:
     """The instances of one test, on one ledger; stopped at the end."""
 
     def __init__(self, dir: Path, *, dsn: str, amqp_url: str, pacing: Pacing) -> None:
         self.dir, self.dsn, self.amqp_url, self.pacing = dir, dsn, amqp_url, pacing
-        self.instances: dict[str, Instance] = {}
+        self.instances: dict[str, Daemon] = {}
 
-    def start(self, name: str, *, dsn: str | None = None, amqp_url: str | None = None) -> Instance:
+    def start(self, name: str, *, dsn: str | None = None, amqp_url: str | None = None) -> Daemon:
         config = write_config(
             self.dir / f"{name}.toml",
             dsn=dsn or self.dsn,
@@ -176,19 +95,19 @@ class Cluster:
             instance=name,
             pacing=self.pacing,
         )
-        instance = Instance(name, config, self.dir / f"{name}.log")
+        instance = Daemon(config, self.dir / f"{name}.log", name=name)
         self.instances[name] = instance
         return instance
 
     async def stop(self, *, within: float = 20) -> dict[str, int]:
         live = [i for i in self.instances.values() if i.alive]
         for instance in live:
-            instance.terminate()
+            instance.send(signal.SIGTERM)
         return {i.name: await i.wait_exit(within=within) for i in live}
 
     def kill_all(self) -> None:
         for instance in self.instances.values():
-            instance.stop_now()
+            instance.close()
 
     def ticks(self, destination: str) -> list[Tick]:
         out = []
@@ -260,8 +179,8 @@ async def first_claim_after(
 
 
 async def next_acquisition(
-    instances: Iterable[Instance], destination: str, *, after: dt.datetime, within: float
-) -> tuple[Instance, dict[str, Any]]:
+    instances: Iterable[Daemon], destination: str, *, after: dt.datetime, within: float
+) -> tuple[Daemon, dict[str, Any]]:
     """The first instance to acquire ``destination`` after ``after``, and its record."""
     with anyio.fail_after(within):
         while True:
@@ -277,7 +196,7 @@ async def next_acquisition(
             await anyio.sleep(0.05)
 
 
-def acquisition(instance: Instance, destination: str, *, after: dt.datetime) -> dict[str, Any]:
+def acquisition(instance: Daemon, destination: str, *, after: dt.datetime) -> dict[str, Any]:
     """The first `leadership_acquired` record of ``destination`` by ``instance`` after ``after``."""
     found = instance.events("leadership_acquired", destination=destination)
     later = [e for e in found if e["at"] > after]
@@ -285,7 +204,7 @@ def acquisition(instance: Instance, destination: str, *, after: dt.datetime) -> 
     return later[0]
 
 
-def passes_before(instance: Instance, acquired: dict[str, Any], *, after: dt.datetime) -> int:
+def passes_before(instance: Daemon, acquired: dict[str, Any], *, after: dt.datetime) -> int:
     """How many supervisor passes ``instance`` began after ``after`` (a kill, a
     cut) and before the pass that logged ``acquired``: the daemon's own count,
     not a wall-clock margin. A standby takes a freed lock on its next pass, so

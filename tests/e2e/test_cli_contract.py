@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from typing import TYPE_CHECKING, Any
@@ -14,7 +15,8 @@ from urllib.parse import unquote, urlsplit
 
 import asyncpg
 import pytest
-from ha_helpers import Instance, Pacing, write_config
+from ha_helpers import Pacing, write_config
+from support.daemon import Daemon
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -95,15 +97,12 @@ async def test_migrate_and_run_store_the_retry_limits(
     assert await _schedule(empty_db_dsn, "fits", 5000) == "scheduled"
 
     second = _config(tmp_path / "run.toml", dsn=empty_db_dsn, amqp_url=amqp_url, retry=RUN_LIMITS)
-    instance = Instance("run", second, tmp_path / "run.log")
-    try:
+    with Daemon(second, tmp_path / "run.log", name="run") as instance:
         await instance.wait_event("pacerd_ready")
         stored = await _settings(empty_db_dsn)
         rejected = await _schedule(empty_db_dsn, "now-too-big", 5000)
-        instance.terminate()
+        instance.send(signal.SIGTERM)
         assert await instance.wait_exit(within=30) == 0
-    finally:
-        instance.stop_now()
     assert stored == RUN_LIMITS
     assert "2000" in rejected
     conn = await asyncpg.connect(empty_db_dsn)

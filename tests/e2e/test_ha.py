@@ -33,9 +33,9 @@ from ha_helpers import (
     passes_before,
     schedule_backlog,
     upstream_workers,
-    utcnow,
     wait_completed,
 )
+from support.daemon import utcnow
 from support.proxy import FaultProxy
 from support.services import with_port
 

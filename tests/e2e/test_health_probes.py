@@ -7,33 +7,23 @@ names the instance."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import uuid
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import anyio
 import pytest
 from ha_helpers import schedule_backlog
+from support.daemon import Daemon, free_port
 from support.proxy import FaultProxy
+from support.services import with_port
 
 if TYPE_CHECKING:
     from pathlib import Path
-    from typing import BinaryIO
 
 pytestmark = [pytest.mark.services, pytest.mark.timeout(120)]
 INSTANCE = "probe-1"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    return port
 
 
 async def http_get(port: int, path: str) -> tuple[int, str]:
@@ -62,20 +52,6 @@ async def until_status(port: int, path: str, status: int) -> None:
             await anyio.sleep(0.1)
 
 
-def start_pacerd(config: Path, out: BinaryIO) -> subprocess.Popen[bytes]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PACERD_", "OTEL_"))}
-    return subprocess.Popen(
-        [sys.executable, "-m", "pacerd", "run", "-c", str(config)],
-        stdout=out, stderr=subprocess.STDOUT, env=env,
-    )  # fmt: skip
-
-
-def stop_pacerd(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.kill()
-        process.wait()
-
-
 def sample(metrics: str, name: str, **labels: str) -> float | None:
     """The value of the series ``name`` whose labels include ``labels``."""
     for line in metrics.splitlines():
@@ -93,8 +69,7 @@ async def test_broker_outage_fails_readiness_not_liveness(
     broker = urlsplit(amqp_url)
     proxy = FaultProxy(broker.port or 5672, target_host=broker.hostname or "127.0.0.1")
     await proxy.start()
-    credentials = broker.netloc.rpartition("@")[0]
-    proxied = urlunsplit(broker._replace(netloc=f"{credentials}@127.0.0.1:{proxy.port}"))
+    proxied = with_port(amqp_url, proxy.port)
     port = free_port()
     config = tmp_path / "pacerd.toml"
     config.write_text(
@@ -104,9 +79,8 @@ async def test_broker_outage_fails_readiness_not_liveness(
         f'[telemetry]\nlog_format = "json"\nhttp_address = "127.0.0.1:{port}"\n'
     )
     log = tmp_path / "log"
-    with log.open("wb") as out:
-        process = start_pacerd(config, out)
-        try:
+    try:
+        with Daemon(config, log) as process:
             await until_status(port, "/readyz", 200)
             with anyio.fail_after(30):  # leadership is taken one tick after the lock
                 while sample((await http_get(port, "/metrics"))[1], "pacerd_leader",
@@ -120,9 +94,8 @@ async def test_broker_outage_fails_readiness_not_liveness(
             proxy.reset()
             await until_status(port, "/readyz", 503)
             assert (await http_get(port, "/livez"))[0] == 200
-            with anyio.fail_after(30):  # past the broker grace, leadership is given up
-                while "leadership_session_closed" not in log.read_text():
-                    await anyio.sleep(0.1)
+            # past the broker grace, leadership is given up
+            await process.wait_event("leadership_session_closed", within=30)
             status, body = await http_get(port, "/livez")
             assert status == 200, body
             _, health = await http_get(port, "/healthz")
@@ -130,14 +103,10 @@ async def test_broker_outage_fails_readiness_not_liveness(
 
             proxy.heal()
             await until_status(port, "/readyz", 200)
-            process.send_signal(signal.SIGTERM)
-            with anyio.fail_after(30):
-                while process.poll() is None:
-                    await anyio.sleep(0.05)
-            assert process.returncode == 0
-        finally:
-            stop_pacerd(process)
-            await proxy.close()
+            process.send(signal.SIGTERM)
+            assert await process.wait_exit(within=30) == 0
+    finally:
+        await proxy.close()
     lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
     assert lines
     assert {line.get("instance") for line in lines} == {INSTANCE}

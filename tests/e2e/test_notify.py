@@ -4,22 +4,24 @@ STOPPING on SIGTERM."""
 
 from __future__ import annotations
 
-import os
+import datetime as dt
 import signal
 import socket
-import subprocess
-import sys
 import uuid
 from typing import TYPE_CHECKING
 
 import anyio
 import asyncpg
 import pytest
+from support.daemon import Daemon, free_port
+
+from pacerd.testing.demo_app import http_request
 
 if TYPE_CHECKING:
     from pathlib import Path
 
 pytestmark = [pytest.mark.services, pytest.mark.timeout(120)]
+SPAN = dt.timedelta(seconds=2)  # twice the watchdog's interval (no WATCHDOG_USEC: 1 s)
 
 
 class NotifySocket:
@@ -54,6 +56,11 @@ class NotifySocket:
         self.sock.close()
 
 
+async def livez(port: int) -> int:
+    response = await http_request(f"http://127.0.0.1:{port}/livez", method="GET")
+    return response.status
+
+
 async def test_ready_status_watchdog_and_stopping(
     db_dsn: str, amqp_url: str, tmp_path: Path
 ) -> None:
@@ -63,65 +70,61 @@ async def test_ready_status_watchdog_and_stopping(
         "SELECT pacerd.schedule($1 || g, 'k', $1, '{}'::jsonb) FROM generate_series(1, 50) g",
         destination,
     )
+    port = free_port()
     config = tmp_path / "c.toml"
     config.write_text(
         f'[database]\ndsn = "{db_dsn}"\n[broker]\nurl = "{amqp_url}"\n'
         "publish_timeout_seconds = 1.0\n[pacing]\ntick_seconds = 0.2\n"
         "[daemon]\nshutdown_grace_seconds = 2.0\n"
+        f'[telemetry]\nlog_format = "json"\nlog_level = "debug"\n'
+        f'http_address = "127.0.0.1:{port}"\n'
     )
     notify = NotifySocket(tmp_path / "notify.sock")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PACERD_")}
-    env |= {
-        "NOTIFY_SOCKET": str(notify.path),
-        "OTEL_TRACES_EXPORTER": "none",
-        "OTEL_METRICS_EXPORTER": "none",
-    }
-    log = (tmp_path / "log").open("wb")
-    process = subprocess.Popen(  # noqa: ASYNC220 - a daemon that outlives this call
-        [sys.executable, "-m", "pacerd", "run", "-c", str(config)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=log,
-    )
     try:
-        ready_at = await notify.wait_for("READY=1", within=30)
-        await notify.wait_for("WATCHDOG=1", within=10)
-        lines = notify.drain()
-        assert lines.index("READY=1") < next(
-            i for i, line in enumerate(lines) if line == "WATCHDOG=1"
-        )
-        assert any(line.startswith("STATUS=") for line in lines)
-        assert all(at >= ready_at for at, line in notify.messages if line == "WATCHDOG=1")
+        with Daemon(config, tmp_path / "log", env={"NOTIFY_SOCKET": str(notify.path)}) as daemon:
+            ready_at = await notify.wait_for("READY=1", within=30)
+            await notify.wait_for("WATCHDOG=1", within=10)
+            lines = notify.drain()
+            assert lines.index("READY=1") < next(
+                i for i, line in enumerate(lines) if line == "WATCHDOG=1"
+            )
+            assert any(line.startswith("STATUS=") for line in lines)
+            assert all(at >= ready_at for at, line in notify.messages if line == "WATCHDOG=1")
 
-        # Block the destination's tick: its per-tick state write waits on a row lock.
-        blocker = await asyncpg.connect(db_dsn)
-        transaction = blocker.transaction()
-        await transaction.start()
-        await blocker.execute(
-            "SELECT 1 FROM pacerd.destinations WHERE destination = $1 FOR UPDATE", destination
-        )
-        # The loop is stuck; after 3 ticks + the publish timeout + 5 s the
-        # watchdog must go quiet (the limit is 6.6 s here).
-        await anyio.sleep(8)
-        notify.drain()  # what was sent before the stall was noticed
-        notify.messages.clear()
-        await anyio.sleep(3)
-        notify.drain()
-        assert "WATCHDOG=1" not in [m for _, m in notify.messages], "watchdog while stuck"
-        await transaction.rollback()
-        await blocker.close()
-        await notify.wait_for("WATCHDOG=1", within=10)
+            # The destination's loop ticks (the watchdog follows it), and is live.
+            await daemon.wait_event("tick_completed", destination=destination, within=30)
+            assert await livez(port) == 200
+            # Block the destination's tick: its per-tick state write waits on a row lock.
+            blocker = await asyncpg.connect(db_dsn)
+            transaction = blocker.transaction()
+            await transaction.start()
+            await blocker.execute(
+                "SELECT 1 FROM pacerd.destinations WHERE destination = $1 FOR UPDATE", destination
+            )
+            # Past its limit (3 ticks + the publish timeout + 5 s), the daemon finds
+            # the loop stuck: /livez fails, on the test that gates WATCHDOG=1.
+            with anyio.fail_after(60):
+                while await livez(port) != 503:
+                    await anyio.sleep(0.1)
+            notify.drain()  # what was sent before the stall was noticed
+            notify.messages.clear()
+            # Two seconds of the daemon's own supervisor passes (each may send
+            # WATCHDOG=1, at most once a second): once a later pass is logged, what
+            # the earlier ones sent is in the socket, and none may be a watchdog.
+            since = daemon.events("supervisor_pass")[-1]["at"]
+            with anyio.fail_after(30):
+                while not [e for e in daemon.events("supervisor_pass") if e["at"] >= since + SPAN]:
+                    assert daemon.alive, daemon.text()[-3000:]
+                    await anyio.sleep(0.05)
+            notify.drain()
+            assert "WATCHDOG=1" not in [m for _, m in notify.messages], "watchdog while stuck"
+            await transaction.rollback()
+            await blocker.close()
+            await notify.wait_for("WATCHDOG=1", within=10)
 
-        process.send_signal(signal.SIGTERM)
-        await notify.wait_for("STOPPING=1", within=10)
-        with anyio.fail_after(20):
-            while process.poll() is None:
-                await anyio.sleep(0.05)
-        assert process.returncode == 0
+            daemon.send(signal.SIGTERM)
+            await notify.wait_for("STOPPING=1", within=10)
+            assert await daemon.wait_exit(within=20) == 0
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
         notify.close()
-        log.close()
         await conn.close()

@@ -145,7 +145,6 @@ async def pacerd_kill(env: Env, scale: Scale) -> Audit:
                         while not set(await rig.stranded_claims(instance)) & rig.delivered():
                             await anyio.sleep(0.02)
                 proc.kill9()
-                await proc.wait_exit(5)
                 # What was held in the stalled proxies dies with the daemon's
                 # connections: wait until they are gone before letting data flow.
                 with anyio.fail_after(10):
@@ -226,7 +225,6 @@ async def worker_kill(env: Env, scale: Scale, *, hold_ms: float = 150.0) -> Audi
             async with rig.fault("kill -9 worker", pid=victim.pid):
                 await anyio.sleep(rng.uniform(0, hold_ms / 1000))
                 victim.kill9()
-                await victim.wait_exit(5)
             await rig.start_worker()
         audit = await rig.audit(
             "kill -9 workers",
@@ -774,7 +772,6 @@ async def recovery_drill(env: Env, scale: Scale) -> tuple[Audit, DrillReport]:
             async with rig.fault("kill -9 dispatcher between enqueue and mark-offered"):
                 await anyio.sleep(0.05)  # the last publish reaches the broker
                 leader.kill9()
-                await leader.wait_exit(5)
             rig.broker_proxy.on_client_chunk = None
             rig.ledger_proxy.unstall()
             killed_at = time.time()

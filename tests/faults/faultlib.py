@@ -38,10 +38,7 @@ import json
 import math
 import os
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -54,6 +51,7 @@ import aio_pika
 import anyio
 import anyio.to_thread
 import asyncpg
+from support.daemon import Daemon, free_port
 from support.proxy import FaultProxy
 from support.records import TICK_EVENT, records
 from support.services import ADMIN_DSN, amqp_url_for, dsn_for, with_port, with_user
@@ -65,7 +63,7 @@ from pacerd.testing.demo_app import http_request
 from pacerd.testing.upstream import CapacitySchedule, ModelUpstream, UpstreamParams
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+    from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
     from anyio.abc import TaskGroup
 
@@ -148,13 +146,6 @@ http_address = "{http}"
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 # -- services (the bench creates its own database and vhost) ------------------------------
 
 
@@ -199,85 +190,13 @@ async def delete_vhost(vhost: str) -> None:
 # -- processes -------------------------------------------------------------------------
 
 
-def child_env(extra: Mapping[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PACERD_")}
-    env.update(
-        {
-            "OTEL_TRACES_EXPORTER": "none",
-            "OTEL_METRICS_EXPORTER": "none",
-            "OTEL_LOGS_EXPORTER": "none",
-            "PYTHONUNBUFFERED": "1",
-            "PYTHONPATH": os.pathsep.join(
-                [str(FAULTS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
-            ),
-        }
-    )
-    env.update(extra)
-    return env
+class PacerdProc(Daemon):
+    """A ``pacerd run`` of the rig, with its HTTP port."""
 
-
-class Proc:
-    """A child process (its own session), its log file, SIGKILL/SIGTERM."""
-
-    def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str], log: Path) -> None:
-        self.name, self.log = name, log
-        with log.open("ab") as out:
-            self.process = subprocess.Popen(
-                list(argv), stdout=out, stderr=subprocess.STDOUT, env=dict(env),
-                start_new_session=True,
-            )  # fmt: skip
-        self.killed = False
-        self.stopped = False  # told to stop (SIGTERM)
-        self.restarted = False  # a crash the harness restarted, as systemd would
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    @property
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def kill9(self) -> None:
-        if self.alive:
-            self.killed = True
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
-
-    def send(self, sig: signal.Signals) -> None:
-        if self.alive:
-            self.stopped = self.stopped or sig in (signal.SIGTERM, signal.SIGINT)
-            self.process.send_signal(sig)
-
-    async def wait_exit(self, within: float) -> int | None:
-        with anyio.move_on_after(within):
-            while self.alive:
-                await anyio.sleep(0.05)
-        return self.process.poll()
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def events(self, name: str | None = None) -> Iterator[dict[str, Any]]:
-        """Its structured records (tick records checked against their schema)."""
-        return records(self.text(), name)
-
-    async def wait_event(self, name: str, *, within: float = 30) -> dict[str, Any]:
-        with anyio.fail_after(within):
-            while True:
-                for doc in self.events(name):
-                    return doc
-                if not self.alive:
-                    raise RuntimeError(f"{self.name} exited: {self.text()[-3000:]}")
-                await anyio.sleep(0.05)
-
-
-class PacerdProc(Proc):
     def __init__(
         self, name: str, config: Path, env: Mapping[str, str], log: Path, port: int, proxied: bool
     ) -> None:
-        argv = [sys.executable, "-m", "quiet_pacerd", "run", "-c", str(config)]
-        super().__init__(name, argv, env, log)
+        super().__init__(config, log, name=name, env=env, new_session=True)
         self.http_port, self.proxied = port, proxied
 
     async def healthz(self) -> int:
@@ -291,19 +210,15 @@ class PacerdProc(Proc):
         return response.status
 
 
-class WorkerProc(Proc):
+class WorkerProc(Daemon):
+    """A ``pacerd worker --app faultapp:app`` of the rig, with its call log."""
+
     def __init__(self, name: str, config: Path, env: Mapping[str, str], log: Path, calls: Path):
-        argv = [
-            sys.executable,
-            "-m",
-            "pacerd",
-            "worker",
-            "--app",
-            "faultapp:app",
-            "-c",
-            str(config),
-        ]
-        super().__init__(name, argv, env, log)
+        pythonpath = [str(FAULTS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
+        super().__init__(
+            config, log, name=name, command=("worker", "--app", "faultapp:app"),
+            env={**env, "PYTHONPATH": os.pathsep.join(pythonpath)}, new_session=True,
+        )  # fmt: skip
         self.calls = calls
 
 
@@ -633,6 +548,7 @@ class Rig:
         self.workers: list[WorkerProc] = []
         self.faults: list[Fault] = []
         self.crashes: list[str] = []
+        self.restarted: set[Daemon] = set()  # crashes restarted, as systemd would
         self.crashes_allowed = 0
         self.crash_loop_after = 5
         self._tg: TaskGroup | None = None
@@ -705,9 +621,9 @@ class Rig:
         ``RestartSec=2``); each crash is recorded (the audit counts them)."""
         while True:
             for p in [*self.pacerds, *self.workers]:
-                if p.alive or p.killed or p.stopped or p.restarted:
+                if p.alive or p.killed or p.stopped or p in self.restarted:
                     continue
-                p.restarted = True
+                self.restarted.add(p)
                 error = next(
                     (line for line in reversed(p.text().splitlines()) if "Error" in line), ""
                 )
@@ -731,12 +647,9 @@ class Rig:
     async def stop_all(self) -> None:
         """SIGTERM every child (daemons first), SIGKILL what is left after a few seconds."""
         for group in (self.pacerds, self.workers):
-            for p in group:
-                p.send(signal.SIGTERM)
-            for p in group:
-                if await p.wait_exit(8) is None:
-                    p.kill9()
-                    await p.wait_exit(5)
+            async with anyio.create_task_group() as tg:
+                for p in group:
+                    tg.start_soon(functools.partial(p.stop, grace=8))
 
     async def _declare_queue(self) -> None:
         """Declares the destination's ready queue, and empties the vhost's outcome
@@ -843,7 +756,7 @@ class Rig:
         name = self._next("pacerd")
         port = free_port()
         config = self.write_config(name, knobs=knobs, http_port=port, proxied=proxied)
-        env = child_env({"PACERD_DAEMON__INSTANCE_NAME": f"{self.destination}/{name}"})
+        env = {"PACERD_DAEMON__INSTANCE_NAME": f"{self.destination}/{name}"}
         proc = PacerdProc(name, config, env, self.workdir / "logs" / f"{name}.log", port, proxied)
         self.pacerds.append(proc)
         if wait_ready:
@@ -862,15 +775,13 @@ class Rig:
                             http_port=None, log_level="info")
             )  # fmt: skip
         calls = self.workdir / "logs" / f"{name}.calls.jsonl"
-        env = child_env(
-            {
-                "FAULT_UPSTREAM": self.upstream.url,
-                "FAULT_DESTINATIONS": self.destination,
-                "FAULT_CALL_LOG": str(calls),
-                "FAULT_HOLD_MS": str(self.hold_ms),
-                "FAULT_PREFETCH": str(self.prefetch),
-            }
-        )
+        env = {
+            "FAULT_UPSTREAM": self.upstream.url,
+            "FAULT_DESTINATIONS": self.destination,
+            "FAULT_CALL_LOG": str(calls),
+            "FAULT_HOLD_MS": str(self.hold_ms),
+            "FAULT_PREFETCH": str(self.prefetch),
+        }
         proc = WorkerProc(name, config, env, self.workdir / "logs" / f"{name}.log", calls)
         self.workers.append(proc)
         return proc

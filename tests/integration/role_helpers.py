@@ -9,33 +9,17 @@ afterwards. Roles are cluster-wide, so every name is unique to the test.
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import subprocess
 import uuid
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
+from support.services import ADMIN_DSN, amqp_url_for
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterator
-
-AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
-ADMIN_DSN = os.environ.get("PACERD_TEST_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
-
-
-def dsn_for(database: str) -> str:
-    return urlunsplit(urlsplit(ADMIN_DSN)._replace(path=f"/{database}"))
-
-
-def dsn_as(dsn: str, user: str) -> str:
-    """``dsn`` with another user (the local cluster trusts 127.0.0.1)."""
-    parts = urlsplit(dsn)
-    host = parts.hostname or "127.0.0.1"
-    port = f":{parts.port}" if parts.port else ""
-    return urlunsplit(parts._replace(netloc=f"{user}@{host}{port}"))
 
 
 def unique_role(prefix: str = "pacerd_t") -> str:
@@ -78,6 +62,6 @@ def private_vhost() -> Iterator[str]:
     rabbitmqctl("add_vhost", name)
     try:
         rabbitmqctl("set_permissions", "-p", name, "guest", ".*", ".*", ".*")
-        yield urlunsplit(urlsplit(AMQP_URL)._replace(path=f"/{name}"))
+        yield amqp_url_for(name)
     finally:
         rabbitmqctl("delete_vhost", name)

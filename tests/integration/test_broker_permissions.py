@@ -10,13 +10,13 @@ import contextlib
 import shutil
 import uuid
 from typing import TYPE_CHECKING
-from urllib.parse import quote, urlsplit, urlunsplit
 
 import aio_pika
 import aiormq
 import anyio
 import pytest
-from role_helpers import dsn_as, login_role, rabbitmqctl
+from role_helpers import login_role, rabbitmqctl
+from support.services import amqp_url_for, with_user
 
 from pacerd.client import Client
 from pacerd.ledger import Ledger
@@ -36,8 +36,6 @@ if TYPE_CHECKING:
     from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 
 pytestmark = [pytest.mark.services, pytest.mark.timeout(120)]
-
-AMQP_BASE = "amqp://guest:guest@127.0.0.1:5672/"
 
 
 @pytest.fixture
@@ -59,9 +57,7 @@ def broker_user(vhost: str, permissions: BrokerPermissions) -> Iterator[str]:
     rabbitmqctl("add_user", user, password)
     try:
         rabbitmqctl(*permissions.rabbitmqctl(vhost, user))
-        parts = urlsplit(AMQP_BASE)
-        netloc = f"{user}:{password}@{parts.hostname}:{parts.port}"
-        yield urlunsplit(parts._replace(netloc=netloc, path=f"/{quote(vhost, safe='')}"))
+        yield with_user(amqp_url_for(vhost), user, password)
     finally:
         rabbitmqctl("delete_user", user)
 
@@ -79,7 +75,7 @@ async def test_a_least_privilege_worker_runs_a_full_cycle(db_dsn: str, vhost: st
         try:
             await broker.connect()  # declares pacerd's exchanges and queues
             async with login_role(roles.producer) as producer, login_role(roles.worker) as user:
-                client = await Client.connect(dsn_as(db_dsn, producer))
+                client = await Client.connect(with_user(db_dsn, producer))
                 try:
                     for n in range(3):
                         await client.schedule(
@@ -100,7 +96,7 @@ async def test_a_least_privilege_worker_runs_a_full_cycle(db_dsn: str, vhost: st
                 async def echo(job: Job) -> dict[str, object]:
                     return {"seen": job.payload["n"]}
 
-                worker = Worker(app, broker_url=worker_url, dsn=dsn_as(db_dsn, user))
+                worker = Worker(app, broker_url=worker_url, dsn=with_user(db_dsn, user))
                 with anyio.fail_after(60):
                     async with anyio.create_task_group() as tg:
                         await tg.start(worker.run)

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 import uuid
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
+from support.services import ADMIN_DSN, dsn_for
 
 from pacerd import ledger
 
@@ -30,7 +29,6 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.services
 
-ADMIN_DSN = os.environ.get("PACERD_TEST_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
 SMALL, LARGE = 10_000, 200_000
 BATCH = 500
 LIVE_ROWS = 1_000  # due within the live window, at both sizes
@@ -66,10 +64,6 @@ def shapes() -> list[Any]:
 # ---------------------------------------------------------------------------
 # Building the ledgers
 # ---------------------------------------------------------------------------
-
-
-def dsn_for(database: str) -> str:
-    return urlunsplit(urlsplit(ADMIN_DSN)._replace(path=f"/{database}"))
 
 
 async def admin(sql: str) -> None:

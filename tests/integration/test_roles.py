@@ -10,8 +10,9 @@ import uuid
 import anyio
 import asyncpg
 import pytest
-from role_helpers import ADMIN_DSN, admin, dsn_as, dsn_for, login_role, unique_role
+from role_helpers import admin, login_role, unique_role
 from support.cli import run_pacerd
+from support.services import ADMIN_DSN, dsn_for, with_user
 
 from pacerd import ledger
 from pacerd.roles import RoleNames
@@ -64,7 +65,7 @@ WRITES = (
 @pytest.mark.parametrize("role", [ROLES.producer, ROLES.worker, ROLES.operator])
 async def test_a_role_runs_its_functions_and_writes_no_table(db_dsn: str, role: str) -> None:
     async with login_role(role) as user:
-        conn = await asyncpg.connect(dsn_as(db_dsn, user))
+        conn = await asyncpg.connect(with_user(db_dsn, user))
         try:
             for name, sql in CALLS.items():
                 if name in ALLOWED[role]:
@@ -108,8 +109,8 @@ async def test_the_worker_reports_its_offer_and_the_producer_cannot(
         live_window_seconds=0, instance="test",
     )  # fmt: skip
     async with login_role(ROLES.producer) as producer, login_role(ROLES.worker) as worker:
-        as_producer = await asyncpg.connect(dsn_as(db_dsn, producer))
-        as_worker = await asyncpg.connect(dsn_as(db_dsn, worker))
+        as_producer = await asyncpg.connect(with_user(db_dsn, producer))
+        as_worker = await asyncpg.connect(with_user(db_dsn, worker))
         try:
             with pytest.raises(asyncpg.InsufficientPrivilegeError):
                 await as_producer.fetchval("SELECT pacerd.report('w-1', $1, 'ok')", claimed.attempt)
@@ -151,7 +152,7 @@ async def test_search_path_tricks_do_not_reach_the_definer_functions(db_dsn: str
         try:
             await owner.execute(f"CREATE SCHEMA evil AUTHORIZATION {user}")
             await owner.execute("SELECT pacerd.schedule('victim', 'k', 'sp-dest', '{}')")
-            conn = await asyncpg.connect(dsn_as(db_dsn, user))
+            conn = await asyncpg.connect(with_user(db_dsn, user))
             try:
                 await conn.execute(TRAPS)
                 await conn.execute("SET search_path = evil, pg_catalog, pacerd")
@@ -180,7 +181,7 @@ async def test_search_path_tricks_do_not_reach_the_definer_functions(db_dsn: str
             # The same function without its fixed path runs the caller's
             # operator as the owner: what the setting prevents.
             await owner.execute("ALTER FUNCTION pacerd.cancel RESET search_path")
-            conn = await asyncpg.connect(dsn_as(db_dsn, user))
+            conn = await asyncpg.connect(with_user(db_dsn, user))
             try:
                 await conn.execute("SET search_path = evil, pg_catalog, pacerd")
                 # It finds a job that does not exist (its `=` is the caller's now).
@@ -305,7 +306,7 @@ async def test_cli_verbs_on_each_role(db_dsn: str) -> None:
     """The producer schedules through the CLI but cannot read status; the
     operator reads status, shows a job and pauses."""
     async with login_role(ROLES.producer) as producer, login_role(ROLES.operator) as operator:
-        as_producer, as_operator = dsn_as(db_dsn, producer), dsn_as(db_dsn, operator)
+        as_producer, as_operator = with_user(db_dsn, producer), with_user(db_dsn, operator)
         done = run_pacerd(as_producer, "schedule", "cli-1", "--kind", "k", "--destination", "cli-d")
         assert (done.returncode, done.stdout.strip()) == (0, "cli-1: scheduled"), done.stderr
         denied = run_pacerd(as_producer, "status")
