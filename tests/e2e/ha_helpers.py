@@ -178,6 +178,35 @@ async def first_claim_after(
             await anyio.sleep(0.05)
 
 
+async def takeover_from(
+    dsn: str, destination: str, killed: dt.datetime, *, old: str, within: float
+) -> tuple[ClaimGroup, float]:
+    """The first claim of ``destination`` after ``killed`` (the new leader's),
+    and the rate that ``old`` left persisted for it: the last pacer state
+    saved by ``old``, read until the new leader claims (it saves only at the
+    end of that tick). Its last tick record is not that rate when the kill
+    fell between the tick's save and its record."""
+    saved: float | None = None
+    conn = await asyncpg.connect(dsn)
+    try:
+        with anyio.fail_after(within):
+            while True:
+                state = await conn.fetchval(
+                    "SELECT pacer_state FROM pacerd.destinations WHERE destination = $1",
+                    destination,
+                )
+                persisted = json.loads(state) if state is not None else {}
+                if persisted.get("tick", {}).get("by") == old:
+                    saved = float(persisted["pacer"]["rate"])
+                for group in await claim_groups(dsn, destination):
+                    if group.at > killed:
+                        assert saved is not None, f"{old} left no pacer state of {destination}"
+                        return group, saved
+                await anyio.sleep(0.05)
+    finally:
+        await conn.close()
+
+
 async def next_acquisition(
     instances: Iterable[Daemon], destination: str, *, after: dt.datetime, within: float
 ) -> tuple[Daemon, dict[str, Any]]:

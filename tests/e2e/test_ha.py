@@ -32,6 +32,7 @@ from ha_helpers import (
     ok_workers,
     passes_before,
     schedule_backlog,
+    takeover_from,
     upstream_workers,
     wait_completed,
 )
@@ -145,13 +146,13 @@ async def test_kill_9_of_a_leader_then_of_the_reconciler_instance(
             await anyio.sleep(4 * tick)  # busy, at its full rate
 
             killed_1 = victim.kill9()
-            took_2 = await first_claim_after(db_dsn, d2, killed_1, within=10)
+            took_2, saved_2 = await takeover_from(db_dsn, d2, killed_1, old=victim.name, within=10)
             await anyio.sleep(4 * tick)
 
             # The reconciler's instance, which also leads d1.
             assert first.events("leadership_acquired", role="reconciler")
             killed_2 = first.kill9()
-            took_1 = await first_claim_after(db_dsn, d1, killed_2, within=10)
+            took_1, saved_1 = await takeover_from(db_dsn, d1, killed_2, old="k-1", within=10)
             survivor = next(i for i in cluster.instances.values() if i.alive)
             reconciler = await survivor.wait_event(
                 "leadership_acquired", role="reconciler", within=10
@@ -176,7 +177,7 @@ async def test_kill_9_of_a_leader_then_of_the_reconciler_instance(
     groups = await claim_groups(db_dsn)
     assert_one_leader_at_a_time(groups, tick)
     cut_short = {victim.name: [killed_1], "k-1": [killed_2]}
-    for d, old, took in ((d2, victim.name, took_2), (d1, "k-1", took_1)):
+    for d, old, took, saved in ((d2, victim.name, took_2, saved_2), (d1, "k-1", took_1, saved_1)):
         pairs = assert_claims_within_budgets(groups, cluster, d, cut_short=cut_short)
         before = [t for g, t in pairs if g.by == old and t is not None]
         after = [t for g, t in pairs if g == took]
@@ -184,7 +185,8 @@ async def test_kill_9_of_a_leader_then_of_the_reconciler_instance(
         assert after, pairs
         assert after[0] is not None, "the new leader's first tick was not logged"
         # Resumes at the persisted rate, which has grown well past initial_rate...
-        assert after[0].rate == before[-1].rate, (before[-1], after[0])
+        assert after[0].rate == round(saved, 3), (saved, before[-1], after[0])  # logged to 3 places
+        assert saved >= 2 * cluster.pacing.initial_rate, saved
         assert before[-1].rate >= 2 * cluster.pacing.initial_rate, before[-1]
         # ...with a first budget of one tick at that rate (plus carried credit): no burst.
         assert after[0].claimed <= after[0].budget <= after[0].rate * tick + 1, after[0]
