@@ -4,11 +4,12 @@ Owns a pure model (``UpstreamModel``: time is passed in, randomness comes from
 a seeded ``random.Random``) and a small asyncio HTTP/1.1 server around it
 (``ModelUpstream``). The model is a token bucket whose refill rate follows a
 capacity schedule (steps, or linear ramps between the points), refuses with 429
-(and ``Retry-After`` when asked) once the bucket is empty, optionally locks a
-hammering client out for ``penalty_seconds``, fails a fraction of accepted calls
-with 500, draws a lognormal latency, counts accepted/refused/errors per second
-and records each accepted call's ``Idempotency-Key``, so duplicate side effects
-can be counted. It is a testing tool: the daemon never imports it.
+(and ``Retry-After`` when asked, in seconds or as an HTTP date) once the bucket
+is empty, optionally locks a hammering client out for ``penalty_seconds``, fails
+a fraction of accepted calls with 500, draws a lognormal latency, counts
+accepted/refused/errors per second and records each accepted call's
+``Idempotency-Key``, so duplicate side effects can be counted. It is a testing
+tool: the daemon never imports it.
 
     python -m pacerd.testing.upstream --port 8081 --capacity-schedule "0:100,60:30,120:80" \\
         [--ramp] [--burst-seconds 1] [--retry-after] [--penalty-seconds 10] \\
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import email.utils
 import json
 import math
 import random
@@ -87,6 +89,7 @@ class UpstreamParams:
     schedule: CapacitySchedule
     burst_seconds: float = 1.0  # bucket size in seconds of capacity (at least one call)
     retry_after: bool = False  # send Retry-After with 429s
+    retry_after_date: bool = False  # ... as an HTTP date rather than delta-seconds
     penalty_seconds: float = 0.0  # lock-out after sustained over-capacity (0: off)
     penalty_threshold: float = 0.1  # refusals in the trailing second, as a share of capacity
     error_rate: float = 0.0  # share of accepted calls failing with 500
@@ -252,6 +255,7 @@ class ModelUpstream:
         self._server: asyncio.Server | None = None
         self._log_task: asyncio.Task[None] | None = None
         self._clients: set[asyncio.StreamWriter] = set()
+        self.connections = 0  # accepted so far (a pooling client reuses a few)
         # every API call: (wall-clock seconds, status, Retry-After, penalty refusal)
         self.calls: list[tuple[float, int, int | None, bool]] = []
 
@@ -308,6 +312,7 @@ class ModelUpstream:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._clients.add(writer)
+        self.connections += 1
         try:
             while True:
                 request = await _read_request(reader)
@@ -363,8 +368,13 @@ class ModelUpstream:
         if decision.latency_s > 0:
             await self.clock.sleep(decision.latency_s)
         if decision.status == 429:
-            retry_after = decision.retry_after_s
-            extra = {} if retry_after is None else {"Retry-After": str(retry_after)}
+            wait = decision.retry_after_s
+            retry_after = None if wait is None else str(wait)
+            if wait is not None and self.model.params.retry_after_date:
+                # an HTTP date has whole seconds: the first one at or after the wait
+                later = math.ceil(wall_clock_seconds() + wait)
+                retry_after = email.utils.formatdate(later, usegmt=True)
+            extra = {} if retry_after is None else {"Retry-After": retry_after}
             return 429, extra, {"error": "rate limited"}
         if decision.status == 500:
             return 500, {}, {"error": "internal error (injected)"}
