@@ -1,11 +1,12 @@
-"""The demo's worker program: each job calls the model upstream of its
-destination with its idempotency key, and the upstream's answer becomes the
-outcome (2xx → ok with the token use as detail, 429 → refused with its
-Retry-After, 5xx or no answer → retry, other 4xx → fail).
+"""The demo's worker program, and the example of how to write one: each job
+calls the model upstream of its destination with its idempotency key, and the
+upstream's answer becomes the outcome (2xx → ok with the token use as detail,
+429 → refused with its Retry-After, 5xx or no answer → retry, other 4xx → fail).
 
-The upstreams come from ``DEMO_UPSTREAMS``, a JSON object mapping each
-destination to its base URL; the app consumes exactly those destinations. This
-module also owns the small HTTP/1.1 client (asyncio streams) for those calls.
+The calls go through one pooled ``httpx.AsyncClient`` per worker process, its
+connections kept alive between calls. The upstreams come from
+``DEMO_UPSTREAMS``, a JSON object mapping each destination to its base URL; the
+app consumes exactly those destinations.
 
     DEMO_UPSTREAMS='{"llm": "http://127.0.0.1:8081"}' \\
         pacerd worker --app pacerd.testing.demo_app:app -c demo.toml
@@ -13,73 +14,67 @@ module also owns the small HTTP/1.1 client (asyncio streams) for those calls.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import email.utils
 import json
 import math
 import os
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import anyio
+import httpx
 
 from pacerd.clock import wall_clock_seconds
 from pacerd.worker import Fail, Job, Refused, Retry, WorkerApp
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import AsyncGenerator, Mapping
 
 ENV_UPSTREAMS = "DEMO_UPSTREAMS"
 
-
-@dataclass(frozen=True, slots=True)
-class HttpResponse:
-    status: int
-    headers: dict[str, str] = field(default_factory=dict)  # lower-case names
-    body: bytes = b""
-
-    def json(self) -> Any:
-        return json.loads(self.body or b"null")
+# Per phase (connect, write, read, waiting for a pooled connection): a call that
+# stalls fails fast and is retried; the handler's deadline bounds the whole call.
+TIMEOUT = httpx.Timeout(10.0, connect=3.0)
 
 
-async def http_request(
-    url: str,
-    *,
-    method: str = "POST",
-    body: bytes = b"",
-    headers: Mapping[str, str] | None = None,
-    timeout_seconds: float = 10.0,
-) -> HttpResponse:
-    """One HTTP/1.1 request on its own connection (``Connection: close``)."""
-    parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise ValueError(f"only http:// URLs are supported, got {url!r}")
-    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    lines = [f"{method} {target} HTTP/1.1", f"Host: {parts.netloc}", "Connection: close"]
-    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
-    lines.append(f"Content-Length: {len(body)}")
-    with anyio.fail_after(timeout_seconds):
-        reader, writer = await asyncio.open_connection(parts.hostname, parts.port or 80)
+def new_client(max_connections: int) -> httpx.AsyncClient:
+    """A client for the upstream calls: ``max_connections`` at once, all kept alive."""
+    limits = httpx.Limits(
+        max_connections=max_connections, max_keepalive_connections=max_connections
+    )
+    return httpx.AsyncClient(limits=limits, timeout=TIMEOUT)
+
+
+class SharedClient:
+    """One ``httpx.AsyncClient`` for every call of a worker process, closed with it.
+
+    ``WorkerApp`` has no start-up or shutdown hook, so the client is made with
+    the app (it opens connections only when it needs them) and the first call
+    ties its closing to the worker's event loop: an async generator holds it
+    open, and asyncio closes the generators still suspended when the loop shuts
+    down. Where you have a lifespan, use ``async with new_client(...)`` there.
+    """
+
+    _open: ClassVar[set[SharedClient]] = set()  # kept until their loop shuts down
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+        self._closing: AsyncGenerator[None] | None = None
+
+    async def get(self) -> httpx.AsyncClient:
+        if self._closing is None:
+            self._closing = self._closed_on_shutdown()
+            await anext(self._closing)
+        return self.client
+
+    async def aclose(self) -> None:
+        await (self._closing.aclose() if self._closing is not None else self.client.aclose())
+
+    async def _closed_on_shutdown(self) -> AsyncGenerator[None]:
+        SharedClient._open.add(self)  # else garbage collection could take it first
         try:
-            writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
-            await writer.drain()
-            status_line = await reader.readline()
-            _version, status, _reason = status_line.decode("latin-1").split(" ", 2)
-            received: dict[str, str] = {}
-            while (raw := await reader.readline()) not in (b"\r\n", b"\n", b""):
-                name, _, value = raw.decode("latin-1").partition(":")
-                received[name.strip().lower()] = value.strip()
-            if "content-length" in received:
-                content = await reader.readexactly(int(received["content-length"]))
-            else:
-                content = await reader.read()
+            yield
         finally:
-            writer.close()
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
-    return HttpResponse(int(status), received, content)
+            SharedClient._open.discard(self)
+            await self.client.aclose()
 
 
 def parse_retry_after(value: str | None) -> float | None:
@@ -96,22 +91,23 @@ def parse_retry_after(value: str | None) -> float | None:
     return max(0.0, seconds) if math.isfinite(seconds) else None
 
 
-async def call_upstream(base_url: str, job: Job) -> dict[str, Any]:
+async def call_upstream(client: httpx.AsyncClient, base_url: str, job: Job) -> dict[str, Any]:
     """The job's one side effect: ``POST {base_url}/v1/call`` with its idempotency key."""
     try:
-        response = await http_request(
+        response = await client.post(
             f"{base_url}/v1/call",
-            body=json.dumps(job.payload).encode(),
+            content=json.dumps(job.payload).encode(),
             headers={"Idempotency-Key": job.idempotency_key, "Content-Type": "application/json"},
         )
-    except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError) as exc:
+    except (httpx.TransportError, httpx.InvalidURL) as exc:  # no answer: connect, timeout, ...
         raise Retry(f"upstream unreachable: {exc!r}") from None
-    if response.status == 429:
+    status = response.status_code
+    if status == 429:  # the upstream's pace: pacerd slows the destination down
         raise Refused(retry_after_s=parse_retry_after(response.headers.get("retry-after")))
-    if response.status >= 500:
-        raise Retry(f"upstream answered HTTP {response.status}")
-    if response.status >= 400:
-        raise Fail(f"upstream answered HTTP {response.status}: {response.body[:200]!r}")
+    if status >= 500:
+        raise Retry(f"upstream answered HTTP {status}")
+    if status >= 400:  # the request itself is wrong: running it again would not help
+        raise Fail(f"upstream answered HTTP {status}: {response.content[:200]!r}")
     answer = response.json()
     return {"tokens": answer.get("tokens"), "duplicate": bool(answer.get("duplicate"))}
 
@@ -119,13 +115,16 @@ async def call_upstream(base_url: str, job: Job) -> dict[str, Any]:
 def build_app(upstreams: Mapping[str, str], *, prefetch: int = 32) -> WorkerApp:
     """A worker app calling ``upstreams[job.destination]`` for every job."""
     app = WorkerApp(destinations=list(upstreams), prefetch=prefetch, handler_timeout_seconds=20.0)
+    # prefetch bounds the handlers running at once for each destination's queue:
+    # one connection for each, so no call waits for the pool
+    http = SharedClient(new_client(max_connections=prefetch * max(1, len(upstreams))))
 
     @app.handler()
     async def demo_call(job: Job) -> dict[str, Any]:
         base_url = upstreams.get(job.destination)
         if base_url is None:
             raise Fail(f"no upstream configured for destination {job.destination!r}")
-        return await call_upstream(base_url, job)
+        return await call_upstream(await http.get(), base_url, job)
 
     return app
 

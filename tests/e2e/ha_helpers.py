@@ -18,7 +18,7 @@ import asyncpg
 from support.daemon import Daemon, utcnow
 from support.records import TICK_EVENT
 
-from pacerd.testing.demo_app import call_upstream
+from pacerd.testing.demo_app import call_upstream, new_client
 from pacerd.testing.upstream import CapacitySchedule, ModelUpstream, UpstreamParams
 from pacerd.worker import Job, Worker, WorkerApp
 
@@ -399,14 +399,15 @@ async def upstream_workers(
             ups.servers[name] = server
         urls = {name: server.url for name, server in ups.servers.items()}
         app = WorkerApp(destinations=names, prefetch=prefetch, check_current=False)
+        http = new_client(max_connections=prefetch * len(names))
 
         @app.handler()
         async def call(job: Job) -> dict[str, Any]:
             ups.received.setdefault((job.job_id, job.attempt), utcnow())
-            return await call_upstream(urls[job.destination], job)
+            return await call_upstream(http, urls[job.destination], job)
 
         ups.worker = Worker(app, broker_url=amqp_url)
-        async with anyio.create_task_group() as tg:
+        async with http, anyio.create_task_group() as tg:
             await tg.start(ups.worker.run)
             try:
                 yield ups

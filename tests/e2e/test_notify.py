@@ -12,10 +12,9 @@ from typing import TYPE_CHECKING
 
 import anyio
 import asyncpg
+import httpx
 import pytest
 from support.daemon import Daemon, free_port
-
-from pacerd.testing.demo_app import http_request
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -57,8 +56,9 @@ class NotifySocket:
 
 
 async def livez(port: int) -> int:
-    response = await http_request(f"http://127.0.0.1:{port}/livez", method="GET")
-    return response.status
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        response = await client.get(f"http://127.0.0.1:{port}/livez")
+    return response.status_code
 
 
 async def test_ready_status_watchdog_and_stopping(

@@ -2,8 +2,8 @@
 
 Each job makes one call to the model upstream with an ``Idempotency-Key`` of
 ``job.idempotency_key`` plus the job's revision (so the upstream's record shows
-which revision executed), the way ``pacerd.testing.demo_app`` does (its HTTP
-client and ``Retry-After`` parsing are reused), and the upstream's answer
+which revision executed), the way ``pacerd.testing.demo_app`` does (its pooled
+HTTP client and ``Retry-After`` parsing are reused), and the upstream's answer
 becomes the outcome. Around the call it appends one JSON line per event to
 ``FAULT_CALL_LOG`` (``start`` before the call, ``called`` after it, with the
 status), unbuffered, so a worker killed with SIGKILL leaves an exact trace of
@@ -23,7 +23,9 @@ import os
 import time
 from typing import Any
 
-from pacerd.testing.demo_app import http_request, parse_retry_after
+import httpx
+
+from pacerd.testing.demo_app import SharedClient, new_client, parse_retry_after
 from pacerd.worker import Fail, Job, Refused, Retry, WorkerApp
 
 
@@ -48,6 +50,7 @@ def build_app(
 ) -> WorkerApp:
     app = WorkerApp(destinations=destinations, prefetch=prefetch, handler_timeout_seconds=20.0)
     pid = os.getpid()
+    http = SharedClient(new_client(max_connections=prefetch * max(1, len(destinations))))
 
     @app.handler()
     async def call(job: Job) -> dict[str, Any]:
@@ -56,25 +59,26 @@ def build_app(
         base |= {"key": key, "pid": pid}
         log.write(ev="start", t=time.time(), **base)
         try:
-            response = await http_request(
+            response = await (await http.get()).post(
                 f"{upstream}/v1/call",
-                body=json.dumps(job.payload).encode(),
+                content=json.dumps(job.payload).encode(),
                 headers={"Idempotency-Key": key, "Content-Type": "application/json"},
             )
-        except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError) as exc:
+        except (httpx.TransportError, httpx.InvalidURL) as exc:
             log.write(ev="called", t=time.time(), status=0, **base)
             raise Retry(f"upstream unreachable: {exc!r}") from None
-        answer = response.json() if response.status == 200 else {}
+        status = response.status_code
+        answer = response.json() if status == 200 else {}
         duplicate = bool(answer.get("duplicate"))
-        log.write(ev="called", t=time.time(), status=response.status, duplicate=duplicate, **base)
+        log.write(ev="called", t=time.time(), status=status, duplicate=duplicate, **base)
         if hold_ms > 0:
             await asyncio.sleep(hold_ms / 1000)
-        if response.status == 429:
+        if status == 429:
             raise Refused(retry_after_s=parse_retry_after(response.headers.get("retry-after")))
-        if response.status >= 500:
-            raise Retry(f"upstream answered HTTP {response.status}")
-        if response.status >= 400:
-            raise Fail(f"upstream answered HTTP {response.status}")
+        if status >= 500:
+            raise Retry(f"upstream answered HTTP {status}")
+        if status >= 400:
+            raise Fail(f"upstream answered HTTP {status}")
         return {"pid": pid, "key": key, "duplicate": duplicate}
 
     return app

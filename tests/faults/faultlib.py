@@ -29,7 +29,6 @@ should run answers ``/healthz``.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import datetime as dt
 import functools
@@ -51,6 +50,7 @@ import aio_pika
 import anyio
 import anyio.to_thread
 import asyncpg
+import httpx
 from support.daemon import Daemon, free_port
 from support.proxy import FaultProxy
 from support.records import TICK_EVENT, records
@@ -59,7 +59,6 @@ from support.services import ADMIN_DSN, amqp_url_for, dsn_for, with_port, with_u
 from pacerd import ledger
 from pacerd.publisher import INVALID_QUEUE, OUTCOMES_QUEUE, ready_queue_name
 from pacerd.roles import DAEMON_BROKER_PERMISSIONS, RoleNames, worker_broker_permissions
-from pacerd.testing.demo_app import http_request
 from pacerd.testing.upstream import CapacitySchedule, ModelUpstream, UpstreamParams
 
 if TYPE_CHECKING:
@@ -202,12 +201,11 @@ class PacerdProc(Daemon):
     async def healthz(self) -> int:
         """The status of ``GET /healthz`` (0 when it does not answer)."""
         try:
-            response = await http_request(
-                f"http://127.0.0.1:{self.http_port}/healthz", method="GET", timeout_seconds=3
-            )
-        except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError):
+            async with httpx.AsyncClient(timeout=3.0) as client:
+                response = await client.get(f"http://127.0.0.1:{self.http_port}/healthz")
+        except httpx.TransportError:
             return 0
-        return response.status
+        return response.status_code
 
 
 class WorkerProc(Daemon):

@@ -18,6 +18,7 @@ import aio_pika
 import anyio
 import anyio.to_thread
 import asyncpg
+import httpx
 import pytest
 from rich.console import Console
 
@@ -26,7 +27,7 @@ from pacerd.ledger import Ledger
 from pacerd.publisher import Broker, ready_queue_name
 from pacerd.testing import OutcomeTap, demo_report, offer_due
 from pacerd.testing.demo import Demo, make_plan, schedule_backlog
-from pacerd.testing.demo_app import build_app, http_request
+from pacerd.testing.demo_app import build_app
 from pacerd.worker import Worker
 
 if TYPE_CHECKING:
@@ -87,8 +88,9 @@ async def test_the_demo_parts_drain_a_small_backlog_without_loss_or_duplicates(
                     await broker.declare_destination(d.name, ready_queue_name(d.name))
                 await demo.start_upstreams()
                 urls = {name: upstream.url for name, upstream in demo.upstreams.items()}
-                stats = await http_request(f"{urls[plan.destinations[0].name]}/stats", method="GET")
-                assert stats.status == 200
+                async with httpx.AsyncClient(timeout=10.0) as http:
+                    stats = await http.get(f"{urls[plan.destinations[0].name]}/stats")
+                assert stats.status_code == 200
                 assert stats.json()["capacity"] == 100
                 worker = Worker(build_app(urls), broker_url=amqp_url, dsn=db_dsn)
                 async with anyio.create_task_group() as tg:
