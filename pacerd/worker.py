@@ -3,7 +3,8 @@
 Owns what a worker process does with an offer (docs/protocol.md, "Messages"): consume
 ``pacerd.ready.<destination>`` or a group's shared queue with a bounded prefetch,
 decode the envelope and validate it against ``schemas/ready.schema.json``, optionally ask
-``pacerd.is_current`` before the costly call, run the registered handler, turn
+``pacerd.is_current`` before the costly call (one statement for the offers that
+arrive together: ``pacerd.currency``), run the registered handler, turn
 what it did into an outcome (return → ok with the returned mapping as
 ``detail``; ``Refused`` → refused; ``Retry`` or any other exception → retry;
 ``Fail`` → fail; ``Continue`` → continue), publish the outcome with publisher
