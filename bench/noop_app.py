@@ -5,7 +5,8 @@
 A top-level module (not ``bench.noop_app``), so that a worker started from
 another tree (``BENCH_PACERD_ROOT``) finds it on ``PYTHONPATH`` while it
 imports that tree's ``pacerd``. ``BENCH_WORKER_PREFETCH`` sets the prefetch
-(default 500); ``pacerd.is_current`` is not asked (``check_current=False``).
+(default 500); ``pacerd.is_current`` is not asked (``check_current=False``)
+unless ``BENCH_WORKER_CHECK_CURRENT=1`` (the library's default: asked for every offer).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pacerd.worker import Job, WorkerApp
 app = WorkerApp(
     destinations=[os.environ.get("BENCH_WORKER_DESTINATION", "bench")],
     prefetch=int(os.environ.get("BENCH_WORKER_PREFETCH", "500")),
-    check_current=False,
+    check_current=os.environ.get("BENCH_WORKER_CHECK_CURRENT") == "1",
 )
 
 

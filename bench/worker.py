@@ -17,7 +17,9 @@ Each repeat, back to back on one database:
   reference) publishes an ``ok`` outcome for each, the daemon applies them;
 * **pacerd, worker library**: the same, with ``--workers`` processes of
   ``pacerd worker --app noop_app:app`` (``bench/noop_app.py``: a no-op
-  handler, ``--prefetch``, ``check_current=False``) — what users run;
+  handler, ``--prefetch``, ``check_current=False`` unless ``--check-current``:
+  the library's default, ``pacerd.is_current`` asked for every offer) — what
+  users run;
 * with ``--node-workers K``, **pacerd, Node.js example**: K processes of
   ``examples/node-worker/worker.js``, each job one HTTP call to a model
   upstream (``pacerd.testing.upstream``, unlimited capacity, no latency) run
@@ -67,8 +69,11 @@ def load_average() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
 
 
-def start_library_workers(dsn: str, count: int, prefetch: int) -> list[subprocess.Popen[bytes]]:
+def start_library_workers(
+    dsn: str, count: int, prefetch: int, *, check_current: bool = False
+) -> list[subprocess.Popen[bytes]]:
     env = dispatch.daemon_env(dsn, rate=1.0, tick=1.0, max_inflight=1)
+    env["BENCH_WORKER_CHECK_CURRENT"] = "1" if check_current else "0"
     env["PYTHONPATH"] = str(common.BENCH_DIR)
     env["BENCH_WORKER_PREFETCH"] = str(prefetch)
     env["BENCH_WORKER_DESTINATION"] = common.DESTINATION
@@ -113,12 +118,14 @@ def start_node_workers(count: int, prefetch: int, upstream: str) -> list[subproc
 
 
 async def cycle(
-    dsn: str, *, n: int, rate: float, tick: float, kind: str, workers: int, prefetch: int
-) -> CycleRun:
+    dsn: str, *, n: int, rate: float, tick: float, kind: str, workers: int, prefetch: int,
+    check_current: bool = False,
+) -> CycleRun:  # fmt: skip
     """One daemon run over N freshly seeded jobs, with ``workers`` worker
     processes of ``kind``: ``library`` (``pacerd worker --app``), ``noop``
     (the bench's batched no-op worker, one process) or ``node`` (the Node.js
-    example, calling a model upstream in this process for every job)."""
+    example, calling a model upstream in this process for every job);
+    ``check_current`` for the library's."""
     if kind == "node":
         params = UpstreamParams(schedule=CapacitySchedule.parse("0:10000000"))
         async with ModelUpstream(params) as upstream:
@@ -127,13 +134,14 @@ async def cycle(
                 upstream=upstream.url,
             )  # fmt: skip
     return await _cycle(
-        dsn, n=n, rate=rate, tick=tick, kind=kind, workers=workers, prefetch=prefetch
-    )
+        dsn, n=n, rate=rate, tick=tick, kind=kind, workers=workers, prefetch=prefetch,
+        check_current=check_current,
+    )  # fmt: skip
 
 
 async def _cycle(
     dsn: str, *, n: int, rate: float, tick: float, kind: str, workers: int, prefetch: int,
-    upstream: str = "",
+    upstream: str = "", check_current: bool = False,
 ) -> CycleRun:  # fmt: skip
     conn = await asyncpg.connect(dsn)
     await conn.execute("TRUNCATE pacerd.jobs, pacerd.job_events")
@@ -142,7 +150,9 @@ async def _cycle(
     await conn.execute("SELECT pacerd.pause($1)", common.DESTINATION)
     await common.reset_queues()
     if kind == "library":
-        procs: list[subprocess.Popen[bytes]] = start_library_workers(dsn, workers, prefetch)
+        procs: list[subprocess.Popen[bytes]] = start_library_workers(
+            dsn, workers, prefetch, check_current=check_current
+        )
     elif kind == "node":
         procs = start_node_workers(workers, prefetch, upstream)
     else:
@@ -209,7 +219,7 @@ async def measure(args: argparse.Namespace) -> str:
                     continue
                 run = await cycle(
                     dsn, n=args.jobs, rate=rate, tick=args.tick, kind=kind, workers=workers,
-                    prefetch=args.prefetch,
+                    prefetch=args.prefetch, check_current=args.check_current,
                 )  # fmt: skip
                 runs[kind].append(run)
                 label = {"noop": "bench no-op worker", "library": "pacerd worker --app"}.get(
@@ -233,7 +243,7 @@ async def measure(args: argparse.Namespace) -> str:
     labels = {
         "noop": "pacerd + bench no-op worker (1 process, batched)",
         "library": f"pacerd + pacerd worker --app ({args.workers} processes, "
-        f"prefetch {args.prefetch})",
+        f"prefetch {args.prefetch}{', is_current per offer' if args.check_current else ''})",
         "node": f"pacerd + examples/node-worker ({args.node_workers} processes, prefetch "
         f"{args.prefetch}, an HTTP call to a model upstream per job)",
     }
@@ -271,6 +281,10 @@ def main() -> None:
     )
     parser.add_argument("--tick", type=float, default=1.0, help="pacerd tick_seconds")
     parser.add_argument("--skip-noop", action="store_true", help="no bench no-op worker runs")
+    parser.add_argument(
+        "--check-current", action="store_true",
+        help="the library's workers ask pacerd.is_current for every offer (the default of apps)",
+    )  # fmt: skip
     parser.add_argument(
         "--node-workers", type=int, default=0,
         help="also run the Node.js example (npm ci in examples/node-worker first)",

@@ -16,7 +16,7 @@ from pacerd.models import DueSummary, JobEvent, JobState, JobView, Outcome
 
 if TYPE_CHECKING:
     import datetime as dt
-    from collections.abc import Mapping
+    from collections.abc import Mapping, Sequence
     from types import TracebackType
 
     import asyncpg
@@ -186,6 +186,19 @@ class Client:
     async def is_current(self, job_id: str, attempt: int) -> bool:
         result: bool = await self._val("SELECT pacerd.is_current($1, $2)", job_id, attempt)
         return result
+
+    async def are_current(self, offers: Sequence[tuple[str, int]]) -> list[bool]:
+        """``is_current`` for many ``(job_id, attempt)`` at once, in their order: one statement."""
+        if not offers:
+            return []
+        with translate_errors():
+            rows = await self.pool.fetch(
+                "SELECT pacerd.is_current(j, a) FROM unnest($1::text[], $2::int[])"
+                " WITH ORDINALITY AS t(j, a, n) ORDER BY n",
+                [job_id for job_id, _ in offers],
+                [attempt for _, attempt in offers],
+            )
+        return [bool(row[0]) for row in rows]
 
     async def pause(self, destination: str | None = None) -> str:
         result: str = await self._val("SELECT pacerd.pause($1)", destination)

@@ -3,7 +3,8 @@
 Owns what a worker process does with an offer (docs/protocol.md, "Messages"): consume
 ``pacerd.ready.<destination>`` or a group's shared queue with a bounded prefetch,
 decode the envelope and validate it against ``schemas/ready.schema.json``, optionally ask
-``pacerd.is_current`` before the costly call, run the registered handler, turn
+``pacerd.is_current`` before the costly call (one statement for the offers that
+arrive together: ``pacerd.currency``), run the registered handler, turn
 what it did into an outcome (return → ok with the returned mapping as
 ``detail``; ``Refused`` → refused; ``Retry`` or any other exception → retry;
 ``Fail`` → fail; ``Continue`` → continue), publish the outcome with publisher
@@ -57,7 +58,8 @@ from pamqp.frame import marshal
 
 from pacerd.clock import Clock, SystemClock
 from pacerd.config import instance_name
-from pacerd.errors import BrokerUnavailable, ConfigError, LedgerError, PacerdError
+from pacerd.currency import CurrentCheck
+from pacerd.errors import BrokerUnavailable, ConfigError, PacerdError
 from pacerd.models import Outcome, Report
 from pacerd.protocol import (
     Continue,
@@ -87,7 +89,6 @@ if TYPE_CHECKING:
     from aio_pika.abc import AbstractConnection
     from anyio.abc import TaskStatus
 
-    from pacerd.client import Client
     from pacerd.config import Config
 
 __all__ = [
@@ -416,9 +417,10 @@ class Worker:
         self._stop, self._lost = anyio.Event(), anyio.Event()
         self._changed: anyio.Event | None = None  # only while someone waits
         self._started = False
-        self._client: Client | None = None
+        self.current_check = (
+            CurrentCheck(dsn, self.clock) if app.check_current and dsn is not None else None
+        )
         self._connection: AbstractConnection | None = None  # the current session's
-        self._client_lock, self._client_retry_at = anyio.Lock(), -math.inf
         self._configures = True  # False once the broker refused a declaration
 
     @classmethod
@@ -474,9 +476,9 @@ class Worker:
                         await self._stop.wait()
                     backoff = min(backoff * 2, 10.0)
         finally:
-            if self._client is not None:
+            if self.current_check is not None:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-                    await self._client.close()
+                    await self.current_check.close()
 
     async def _declare(self) -> None:
         """The same topology as the daemon (``Broker``): idempotent, either may
@@ -730,25 +732,11 @@ class Worker:
         return Outgoing("", OUTCOMES_EXCHANGE, body, properties, None)
 
     async def _is_current(self, job: Job) -> bool:
-        """``pacerd.is_current``; fails open (the check only saves a costly call)."""
-        if not self.app.check_current or self.dsn is None:
+        """``pacerd.is_current``, batched with the offers that arrive with it
+        (``currency.CurrentCheck``); fails open (the check only saves a costly call)."""
+        if self.current_check is None:
             return True
-        async with self._client_lock:
-            if self._client is None and self.clock.monotonic() >= self._client_retry_at:
-                from pacerd.client import Client
-
-                try:
-                    self._client = await Client.connect(self.dsn, max_size=2)
-                except LedgerError as exc:
-                    self._client_retry_at = self.clock.monotonic() + 5.0
-                    log.warning("is_current_unavailable", error=str(exc))
-        if self._client is None:
-            return True
-        try:
-            return await self._client.is_current(job.job_id, job.attempt)
-        except LedgerError as exc:
-            log.warning("is_current_unavailable", error=str(exc))
-            return True
+        return await self.current_check.is_current(job.job_id, job.attempt)
 
 
 def _trace_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:

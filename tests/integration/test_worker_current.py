@@ -1,0 +1,106 @@
+"""The worker's batched ``pacerd.is_current`` (``pacerd.currency.CurrentCheck``)
+against PostgreSQL: the checks asked together go as one statement, each offer
+gets its own answer, and without the database every offer is current (fail open)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import anyio
+
+from pacerd.client import Client
+from pacerd.clock import ManualClock, SystemClock
+from pacerd.currency import CurrentCheck
+from pacerd.ledger import Ledger
+from pacerd.worker import Job, Worker, WorkerApp
+
+NO_DATABASE = "postgresql://postgres@127.0.0.1:1/nowhere"  # nothing listens on port 1
+
+
+async def claimed(ledger: Ledger, destination: str, n: int) -> dict[str, int]:
+    """``n`` jobs of ``destination``, claimed: job id -> its current attempt."""
+    client = Client(ledger.pool)
+    for i in range(n):
+        await client.schedule(f"{destination}-{i}", kind="k", destination=destination, payload={})
+    jobs = await ledger.claim_due(
+        destination, live_limit=0, limit=n, claim_seconds=30.0, epoch=0,
+        live_window_seconds=60.0, instance="test",
+    )  # fmt: skip
+    assert len(jobs) == n
+    return {j.job_id: j.attempt for j in jobs}
+
+
+async def test_checks_asked_together_go_as_one_statement_each_answered(db_dsn: str) -> None:
+    ledger = await Ledger.connect(db_dsn, max_size=2)
+    check = CurrentCheck(db_dsn, SystemClock())
+    try:
+        destination = f"cur-{uuid.uuid4().hex[:8]}"
+        attempts = await claimed(ledger, destination, 6)
+        stale = f"{destination}-2"
+        assert await Client(ledger.pool).cancel(stale, "test") == "cancelled"
+        asked = [(job_id, attempt) for job_id, attempt in sorted(attempts.items())]
+        asked += [(f"{destination}-0", attempts[f"{destination}-0"] + 1), ("no-such-job", 1)]
+        with anyio.fail_after(10):
+            answers = await asyncio.gather(*(check.is_current(j, a) for j, a in asked))
+        assert check.statements == 1
+        expected = [j != stale for j, _ in asked[:6]] + [False, False]
+        assert answers == expected
+        with anyio.fail_after(10):  # asked later: the next statement
+            assert await check.is_current(f"{destination}-1", attempts[f"{destination}-1"])
+        assert check.statements == 2
+    finally:
+        await check.close()
+        await ledger.close()
+
+
+async def test_without_the_database_every_offer_is_current() -> None:
+    clock = ManualClock()
+    check = CurrentCheck(NO_DATABASE, clock)
+    try:
+        with anyio.fail_after(30):
+            answers = await asyncio.gather(*(check.is_current(f"j-{i}", 1) for i in range(5)))
+            assert answers == [True] * 5
+            assert await check.is_current("j-9", 1)  # within the retry pause: no new attempt
+        assert check.statements == 0
+    finally:
+        await check.close()
+
+
+async def test_a_failing_statement_fails_open(db_dsn: str) -> None:
+    """A database without pacerd's schema: the statement fails, the offers run."""
+    admin = db_dsn.rsplit("/", 1)[0] + "/postgres"
+    check = CurrentCheck(admin, SystemClock())
+    try:
+        with anyio.fail_after(30):
+            answers = await asyncio.gather(check.is_current("a", 1), check.is_current("b", 2))
+        assert list(answers) == [True, True]
+        assert check.statements == 1
+    finally:
+        await check.close()
+
+
+async def test_the_worker_runs_its_handlers_when_the_database_is_down() -> None:
+    """``check_current`` on, the database unreachable: ``process`` runs the handler."""
+    app = WorkerApp(destinations=["llm"], check_current=True)
+    ran: list[str] = []
+
+    @app.handler()
+    async def handle(job: Job) -> None:
+        ran.append(job.job_id)
+
+    worker = Worker(app, broker_url="amqp://unused", dsn=NO_DATABASE)
+    ready = (
+        '{"job_id": "j-%d", "kind": "k", "destination": "llm", "attempt": 1, "revision": 0,'
+        ' "payload": {}, "cursor": null, "eligible_at": "2026-01-02T03:04:05+00:00"}'
+    )
+    try:
+        with anyio.fail_after(30):
+            outs = await asyncio.gather(
+                *(worker.process("llm", (ready % i).encode()) for i in range(3))
+            )
+        assert [o is not None and o.outcome for o in outs] == ["ok"] * 3
+        assert sorted(ran) == ["j-0", "j-1", "j-2"]
+    finally:
+        assert worker.current_check is not None
+        await worker.current_check.close()
