@@ -22,12 +22,13 @@ import aio_pika
 import aiormq
 import aiormq.exceptions
 from aiormq.abc import ChannelFrame
+from pamqp.body import ContentBody
 from pamqp.commands import Basic
 from pamqp.frame import marshal
+from pamqp.header import ContentHeader
 
 from pacerd.config import ready_queue_name as ready_queue_name  # re-exported: config names queues
 from pacerd.errors import BrokerUnavailable, PublishError, PublishRejected, PublishTimeout
-from pacerd.frames import content_bodies, content_header
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
@@ -169,8 +170,10 @@ async def write_batch(
                 )
             confirms.append(confirm)
             parts.append(publish)
-            parts.append(content_header(properties, len(body), number))
-            parts += content_bodies(body, number, size)
+            parts.append(marshal(ContentHeader(properties=properties, body_size=len(body)), number))
+            parts.extend(
+                marshal(ContentBody(body[i : i + size]), number) for i in range(0, len(body), size)
+            )
         try:
             await channel.write_queue.put(ChannelFrame(payload=b"".join(parts), should_close=False))
         except BaseException:
