@@ -68,7 +68,11 @@ The law, per destination:
   the deadline, ``cooldown_remaining_s``); the ceiling is remembered from the
   delivered rate; on reopening the rate is ``ceiling_resume_fraction`` of it and
   stays there for ``retry_after / decrease_margin`` seconds, so probing into a
-  penalty box costs at most that margin of the time.
+  penalty box costs at most that margin of the time. A Retry-After of at most
+  ``SHORT_RETRY_AFTER_RTTS`` round trips (an API that sends one with every
+  429: it says when the next token comes, not that a box closed) holds only
+  ``SHORT_HOLD_RTTS`` round trips; a capacity step up is then followed as
+  after any cut.
 - **Budget.** ``floor(credit + rate * elapsed)`` (elapsed capped at two ticks:
   missed ticks are skipped, not replayed), capped by ``max_inflight -
   inflight``; the fraction carries over as credit. Publishes are spread over
@@ -101,6 +105,8 @@ LADDER_MAX = 0.25  # the largest ladder step, as a share of the rate
 INFLIGHT_RTTS = 2.0  # in flight beyond this many round trips of the rate: no growth
 LOOP_SHARE = 0.8  # a tick that admitted less than this share of rate x time since the last one
 # (the loop ran late: ticks were skipped) is no evidence for growth
+SHORT_RETRY_AFTER_RTTS = 3.0  # a Retry-After up to this many round trips: "a token is due", no box
+SHORT_HOLD_RTTS = 3.0  # ... after which the rate holds only this many round trips
 _MONOTONIC = ("last_tick", "deadline")  # never persisted
 
 
@@ -328,6 +334,15 @@ def update_rate(
     )
 
     if window.retry_after_s is not None and window.refused_fresh > 0 and not state.cooling:
+        retry_after = max(0.0, window.retry_after_s)
+        rtt = max(p.tick_seconds, state.round_trip_s)
+        if retry_after <= SHORT_RETRY_AFTER_RTTS * rtt:
+            # a Retry-After as short as a few round trips says when the next
+            # token comes (an API that sends one with every 429), not a penalty
+            # box: hold a few round trips, then probe as after any cut
+            hold = min(retry_after / max(m, 0.01), SHORT_HOLD_RTTS * rtt)
+        else:
+            hold = retry_after / max(m, 0.01)
         est = max(delivered_before, accepted_rate) or state.rate
         if state.ceiling is not None and est > state.ceiling:
             est = max(state.ceiling, est * (1.0 - m))
@@ -342,7 +357,7 @@ def update_rate(
             surplus=0.0,
             ladder=0.0,
             since_cut_s=0.0,
-            hold_s=max(0.0, window.retry_after_s) / max(m, 0.01),
+            hold_s=hold,
         )
     if cooldown_remaining_s > 0:
         return state if state.cooling else replace(state, cooling=True)

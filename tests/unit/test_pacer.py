@@ -389,6 +389,23 @@ def test_retry_after_closes_then_resumes_just_under_the_ceiling_and_holds() -> N
     assert state.rate == pytest.approx(80.0 * P.ceiling_resume_fraction)
 
 
+def test_a_retry_after_of_a_few_round_trips_holds_only_a_few_round_trips() -> None:
+    # an API that sends `Retry-After: 1` with every 429 says when the next
+    # token comes: no penalty box, so no retry_after / decrease_margin hold
+    state = replace(at_ceiling(rate=100.0), delivered=80.0)
+    window = OutcomeWindow(accepted=78, refused=2, refused_fresh=2, retry_after_s=1.0)
+    state, plan = run(state, window, full(100), cooldown=1.0)
+    assert plan.cooldown
+    assert state.hold_s == pytest.approx(pacer.SHORT_HOLD_RTTS * P.tick_seconds)
+    state, plan = run(state, EMPTY, Demand(budget=0))  # reopened
+    resumed = state.rate
+    assert resumed == pytest.approx(80.0 * P.ceiling_resume_fraction)
+    for _ in range(int(pacer.SHORT_HOLD_RTTS) + 2):
+        window = OutcomeWindow(accepted=plan.budget, accepted_fresh=plan.budget)
+        state, plan = run(state, window, full(plan.budget))
+    assert state.rate > resumed  # growing again after a few round trips
+
+
 # --- persistence --------------------------------------------------------------
 
 
