@@ -61,9 +61,12 @@ The law, per destination:
   the slack (a round trip of outcomes on their way and the estimate's error;
   twice, so that another sender's brief cut is not taken for growth), the
   capacity has grown: the increase then doubles every round trip until the
-  next episode. A ladder's step never exceeds ``LADDER_MAX`` of the rate: a
-  probe overshoots by about its last step, a round trip before its refusals
-  come back.
+  next episode. So it does after ``PROBE_RTTS`` clean round trips with demand
+  at or above a firm ceiling (no refusal at all meanwhile): a firm ceiling
+  set from a bursty window may sit well under the capacity, and the surplus
+  test alone takes ten round trips or more to say so. A ladder's step never
+  exceeds ``LADDER_MAX`` of the rate: a probe overshoots by about its last
+  step, a round trip before its refusals come back.
 - **Retry-After.** The destination is closed until it passes (the ledger holds
   the deadline, ``cooldown_remaining_s``); the ceiling is remembered from the
   delivered rate; on reopening the rate is ``ceiling_resume_fraction`` of it and
@@ -107,6 +110,7 @@ LOOP_SHARE = 0.8  # a tick that admitted less than this share of rate x time sin
 # (the loop ran late: ticks were skipped) is no evidence for growth
 SHORT_RETRY_AFTER_RTTS = 3.0  # a Retry-After up to this many round trips: "a token is due", no box
 SHORT_HOLD_RTTS = 3.0  # ... after which the rate holds only this many round trips
+PROBE_RTTS = 8.0  # clean round trips at or above a firm ceiling, then the ladder probes it
 _MONOTONIC = ("last_tick", "deadline")  # never persisted
 
 
@@ -196,6 +200,7 @@ class PacerState:
     since_cut_s: float = 0.0
     round_trip_s: float = 0.0  # measured: from a cut to its first fresh outcomes
     hold_s: float = 0.0  # no growth for this long (after a Retry-After)
+    clean_s: float = 0.0  # clean, full-demand time at or above a firm ceiling since a refusal
     cooling: bool = False  # closed by a Retry-After
     delivered: float = 0.0  # average accepted rate
 
@@ -357,6 +362,7 @@ def update_rate(
             surplus=0.0,
             ladder=0.0,
             since_cut_s=0.0,
+            clean_s=0.0,
             hold_s=hold,
         )
     if cooldown_remaining_s > 0:
@@ -412,7 +418,7 @@ def update_rate(
         return state  # work piles up before the upstream (slow workers): do not add to it
     if f_ref > 0 and state.ceiling is not None and state.rate >= state.ceiling:
         # refusals under the threshold: hold, do not grow into them
-        return replace(state, ladder=0.0, saved=0.0, surplus=0.0)
+        return replace(state, ladder=0.0, saved=0.0, surplus=0.0, clean_s=0.0)
     if state.ceiling is None and (
         f_ref > 0
         or (
@@ -424,6 +430,8 @@ def update_rate(
         # slow start meets saturation: a refusal under the threshold, or an
         # accepted rate that stopped growing with the rate: hold
         return state
+    if f_ref > 0:  # any refusal: the upstream was empty just then, the ceiling not stale
+        state = replace(state, clean_s=0.0)
     return _grow(state, dt, accepted_rate, p)
 
 
@@ -454,6 +462,7 @@ def _cut(
         surplus=0.0,
         ladder=0.0,
         since_cut_s=0.0,
+        clean_s=0.0,
     )
 
 
@@ -517,14 +526,17 @@ def _grow(state: PacerState, dt: float, accepted_rate: float, p: PacingParams) -
     step = p.increase_step * dt / rtt
     slack = 0.5 * m * c * min(state.since_cut_s, STALE_HORIZON_S)
     slack += max(0.0, rate - c) * (rtt + 1.0)  # outcomes still on their way
-    ladder = state.ladder
+    ladder, clean = state.ladder, state.clean_s
+    if state.firm and rate >= c and state.hold_s <= 0:
+        clean += dt
     if state.hold_s > 0:
         pass  # after a Retry-After: stay just under the remembered ceiling
     elif ladder > 0:  # capped: a probe overshoots by its last step
         ladder = min(ladder * 2.0 ** (dt / rtt), LADDER_MAX * rate)
         rate += min(ladder * dt / rtt, LADDER_MAX * rate)
-    elif state.surplus > state.saved + 2.0 * slack and rate > c * (
-        1.0 if state.firm else SOFT_FACTOR
+    elif (state.firm and rate >= c and clean >= PROBE_RTTS * rtt) or (
+        state.surplus > state.saved + 2.0 * slack
+        and rate > c * (1.0 if state.firm else SOFT_FACTOR)
     ):
         ladder = step  # the ceiling is stale: the upstream has grown
         rate += ladder
@@ -536,7 +548,7 @@ def _grow(state: PacerState, dt: float, accepted_rate: float, p: PacingParams) -
         rate = min(c, rate + step)
     else:
         rate += step
-    return replace(state, rate=_clamp(rate, p), ladder=ladder)
+    return replace(state, rate=_clamp(rate, p), ladder=ladder, clean_s=clean)
 
 
 CATCH_UP = 1.25  # the most a late tick's budget may exceed the rate over its span

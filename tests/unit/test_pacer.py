@@ -281,6 +281,31 @@ def test_a_stale_ceiling_is_climbed_with_doubling_steps() -> None:
     assert steps[-1] >= 8 * P.increase_step  # the upstream has grown: find it fast
 
 
+def test_clean_round_trips_at_a_firm_ceiling_start_the_ladder() -> None:
+    # saved is huge: the surplus test alone would not call this ceiling stale
+    # for minutes; PROBE_RTTS clean round trips at or above it with demand do
+    state, steps = at_ceiling(rate=90.0, ceiling=90.0), []
+    for _ in range(int(pacer.PROBE_RTTS) + 3):
+        before = state.rate
+        window = OutcomeWindow(accepted=round(before), accepted_fresh=round(before))
+        state, _ = run(state, window, full(round(before)))
+        steps.append(state.rate - before)
+    probe = int(pacer.PROBE_RTTS) - 1
+    assert steps[:probe] == pytest.approx([P.increase_step] * probe)
+    assert state.ladder > 0
+    assert steps[-1] >= 4 * P.increase_step  # doubling: the ceiling is probed, fast
+
+
+def test_a_refusal_restarts_the_clean_time_before_a_probe() -> None:
+    state = replace(at_ceiling(rate=90.0, ceiling=90.0), clean_s=pacer.PROBE_RTTS - 1.0)
+    window = OutcomeWindow(accepted=89, refused=1, accepted_fresh=89, refused_fresh=1)
+    state, _ = run(state, window, full(90))  # under the episode threshold: held
+    assert (state.clean_s, state.ladder, state.epoch) == (0.0, 0.0, 7)
+    for _ in range(int(pacer.PROBE_RTTS) - 1):
+        state, _ = run(state, OutcomeWindow(accepted=90, accepted_fresh=90), full(90))
+    assert state.ladder == 0.0  # not yet: the clean time starts again
+
+
 # --- cuts ---------------------------------------------------------------------
 
 
