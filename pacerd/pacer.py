@@ -18,7 +18,13 @@ The law, per destination:
   ``sent * (1 - refused/outcomes)``; the rate is cut to ``estimate * (1 -
   decrease_margin)``, and so is the remembered *ceiling*: every cut has that
   proportional part, which is what brings senders sharing an upstream to equal
-  shares (their refusal counts, not their rates, set the rest of it). A heavy
+  shares (their refusal counts, not their rates, set the rest of it). A mild
+  cut never goes under what the upstream accepted, in the window and on
+  average alike (``delivered``), nor above what was sent: while refusals occur
+  that is a lower bound of a bucket's refill rate, and bursts of prefetched
+  work refused by a small bucket below its rate do not compound cut after cut
+  (the window alone may be a batch of outcomes; the average alone lags a
+  drop; the smaller of the two is neither). A heavy
   episode (refusal ratio above ``HEAVY_RATIO``; never the end of slow start) means
   the window mixes outcomes from before and after a capacity change, so its
   estimate is only an upper bound: the rate drops to the floor and, while the
@@ -390,7 +396,7 @@ def update_rate(
     if state.episode:
         state = _refine(state, window, p)
         if episode:
-            return _cut(state, f_ref, f_n, sent, p)
+            return _cut(state, f_ref, f_n, sent, p, accepted_rate)
         if f_n == 0:
             return state
         rtt, seen = state.round_trip_s, state.since_cut_s
@@ -405,7 +411,7 @@ def update_rate(
             return _end_slow_start(state, f_ref, f_n, sent, accepted_rate, p)
         episode = False
     if episode:
-        state = _cut(state, f_ref, f_n, sent, p)
+        state = _cut(state, f_ref, f_n, sent, p, accepted_rate)
         if demand is None:  # a leader's first tick: the bucket may have refilled
             state = replace(state, saved=(state.ceiling or 0.0) * interval)
         return state
@@ -440,10 +446,21 @@ def _heavy(refused: int, outcomes: int, p: PacingParams) -> bool:
 
 
 def _cut(
-    state: PacerState, refused: int, outcomes: int, sent: float, p: PacingParams
+    state: PacerState,
+    refused: int,
+    outcomes: int,
+    sent: float,
+    p: PacingParams,
+    accepted_rate: float = 0.0,
 ) -> PacerState:
     est = max(p.min_rate, sent * (1.0 - refused / outcomes))
     heavy = _heavy(refused, outcomes, p)
+    if not heavy:
+        # what the upstream accepted, in this window and on average alike (the
+        # window alone may be a batch, the average alone may lag a drop), never
+        # above what was sent, is a lower bound of its refill rate: refusals of
+        # bursts reaching a small bucket do not compound cut after cut under it
+        est = max(est, min(sent, state.delivered, accepted_rate))
     target = p.decrease_factor * state.rate if heavy else est * (1.0 - p.decrease_margin)
     rate = min(state.rate, max(target, p.decrease_factor * state.rate))
     return replace(

@@ -306,6 +306,22 @@ def test_a_refusal_restarts_the_clean_time_before_a_probe() -> None:
     assert state.ladder == 0.0  # not yet: the clean time starts again
 
 
+def test_a_mild_cut_never_goes_under_what_the_upstream_accepted() -> None:
+    # a burst of prefetched work reached a small bucket: 10 of 105 refused,
+    # but the upstream accepted 95/s in the window and on average
+    state = replace(at_ceiling(rate=100.0, ceiling=100.0), delivered=95.0)
+    window = OutcomeWindow(accepted=95, refused=10, accepted_fresh=95, refused_fresh=10)
+    after, _ = run(state, window, full(100))
+    assert after.epoch == 8
+    assert after.rate == pytest.approx(95.0 * (1 - P.decrease_margin))
+    assert after.ceiling == pytest.approx(95.0 * (1 - P.decrease_margin))
+    # a drop: the window accepted far less than the average (which lags it)
+    window = OutcomeWindow(accepted=60, refused=10, accepted_fresh=60, refused_fresh=10)
+    after, _ = run(replace(state, delivered=99.0), window, full(100))
+    share = 100.0 * (1 - 10 / 70)
+    assert after.rate == pytest.approx(share * (1 - P.decrease_margin))
+
+
 # --- cuts ---------------------------------------------------------------------
 
 
