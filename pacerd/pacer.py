@@ -18,7 +18,13 @@ The law, per destination:
   ``sent * (1 - refused/outcomes)``; the rate is cut to ``estimate * (1 -
   decrease_margin)``, and so is the remembered *ceiling*: every cut has that
   proportional part, which is what brings senders sharing an upstream to equal
-  shares (their refusal counts, not their rates, set the rest of it). A heavy
+  shares (their refusal counts, not their rates, set the rest of it). A mild
+  cut never goes under what the upstream accepted, in the window and on
+  average alike (``delivered``), nor above what was sent: while refusals occur
+  that is a lower bound of a bucket's refill rate, and bursts of prefetched
+  work refused by a small bucket below its rate do not compound cut after cut
+  (the window alone may be a batch of outcomes; the average alone lags a
+  drop; the smaller of the two is neither). A heavy
   episode (refusal ratio above ``HEAVY_RATIO``; never the end of slow start) means
   the window mixes outcomes from before and after a capacity change, so its
   estimate is only an upper bound: the rate drops to the floor and, while the
@@ -61,14 +67,21 @@ The law, per destination:
   the slack (a round trip of outcomes on their way and the estimate's error;
   twice, so that another sender's brief cut is not taken for growth), the
   capacity has grown: the increase then doubles every round trip until the
-  next episode. A ladder's step never exceeds ``LADDER_MAX`` of the rate: a
-  probe overshoots by about its last step, a round trip before its refusals
-  come back.
+  next episode. So it does after ``PROBE_RTTS`` clean round trips with demand
+  at or above a firm ceiling (no refusal at all meanwhile): a firm ceiling
+  set from a bursty window may sit well under the capacity, and the surplus
+  test alone takes ten round trips or more to say so. A ladder's step never
+  exceeds ``LADDER_MAX`` of the rate: a probe overshoots by about its last
+  step, a round trip before its refusals come back.
 - **Retry-After.** The destination is closed until it passes (the ledger holds
   the deadline, ``cooldown_remaining_s``); the ceiling is remembered from the
   delivered rate; on reopening the rate is ``ceiling_resume_fraction`` of it and
   stays there for ``retry_after / decrease_margin`` seconds, so probing into a
-  penalty box costs at most that margin of the time.
+  penalty box costs at most that margin of the time. A Retry-After of at most
+  ``SHORT_RETRY_AFTER_RTTS`` round trips (an API that sends one with every
+  429: it says when the next token comes, not that a box closed) holds only
+  ``SHORT_HOLD_RTTS`` round trips; a capacity step up is then followed as
+  after any cut.
 - **Budget.** ``floor(credit + rate * elapsed)`` (elapsed capped at two ticks:
   missed ticks are skipped, not replayed), capped by ``max_inflight -
   inflight``; the fraction carries over as credit. Publishes are spread over
@@ -101,6 +114,9 @@ LADDER_MAX = 0.25  # the largest ladder step, as a share of the rate
 INFLIGHT_RTTS = 2.0  # in flight beyond this many round trips of the rate: no growth
 LOOP_SHARE = 0.8  # a tick that admitted less than this share of rate x time since the last one
 # (the loop ran late: ticks were skipped) is no evidence for growth
+SHORT_RETRY_AFTER_RTTS = 3.0  # a Retry-After up to this many round trips: "a token is due", no box
+SHORT_HOLD_RTTS = 3.0  # ... after which the rate holds only this many round trips
+PROBE_RTTS = 8.0  # clean round trips at or above a firm ceiling, then the ladder probes it
 _MONOTONIC = ("last_tick", "deadline")  # never persisted
 
 
@@ -190,6 +206,7 @@ class PacerState:
     since_cut_s: float = 0.0
     round_trip_s: float = 0.0  # measured: from a cut to its first fresh outcomes
     hold_s: float = 0.0  # no growth for this long (after a Retry-After)
+    clean_s: float = 0.0  # clean, full-demand time at or above a firm ceiling since a refusal
     cooling: bool = False  # closed by a Retry-After
     delivered: float = 0.0  # average accepted rate
 
@@ -328,6 +345,15 @@ def update_rate(
     )
 
     if window.retry_after_s is not None and window.refused_fresh > 0 and not state.cooling:
+        retry_after = max(0.0, window.retry_after_s)
+        rtt = max(p.tick_seconds, state.round_trip_s)
+        if retry_after <= SHORT_RETRY_AFTER_RTTS * rtt:
+            # a Retry-After as short as a few round trips says when the next
+            # token comes (an API that sends one with every 429), not a penalty
+            # box: hold a few round trips, then probe as after any cut
+            hold = min(retry_after / max(m, 0.01), SHORT_HOLD_RTTS * rtt)
+        else:
+            hold = retry_after / max(m, 0.01)
         est = max(delivered_before, accepted_rate) or state.rate
         if state.ceiling is not None and est > state.ceiling:
             est = max(state.ceiling, est * (1.0 - m))
@@ -342,7 +368,8 @@ def update_rate(
             surplus=0.0,
             ladder=0.0,
             since_cut_s=0.0,
-            hold_s=max(0.0, window.retry_after_s) / max(m, 0.01),
+            clean_s=0.0,
+            hold_s=hold,
         )
     if cooldown_remaining_s > 0:
         return state if state.cooling else replace(state, cooling=True)
@@ -369,7 +396,7 @@ def update_rate(
     if state.episode:
         state = _refine(state, window, p)
         if episode:
-            return _cut(state, f_ref, f_n, sent, p)
+            return _cut(state, f_ref, f_n, sent, p, accepted_rate)
         if f_n == 0:
             return state
         rtt, seen = state.round_trip_s, state.since_cut_s
@@ -384,7 +411,7 @@ def update_rate(
             return _end_slow_start(state, f_ref, f_n, sent, accepted_rate, p)
         episode = False
     if episode:
-        state = _cut(state, f_ref, f_n, sent, p)
+        state = _cut(state, f_ref, f_n, sent, p, accepted_rate)
         if demand is None:  # a leader's first tick: the bucket may have refilled
             state = replace(state, saved=(state.ceiling or 0.0) * interval)
         return state
@@ -397,7 +424,7 @@ def update_rate(
         return state  # work piles up before the upstream (slow workers): do not add to it
     if f_ref > 0 and state.ceiling is not None and state.rate >= state.ceiling:
         # refusals under the threshold: hold, do not grow into them
-        return replace(state, ladder=0.0, saved=0.0, surplus=0.0)
+        return replace(state, ladder=0.0, saved=0.0, surplus=0.0, clean_s=0.0)
     if state.ceiling is None and (
         f_ref > 0
         or (
@@ -409,6 +436,8 @@ def update_rate(
         # slow start meets saturation: a refusal under the threshold, or an
         # accepted rate that stopped growing with the rate: hold
         return state
+    if f_ref > 0:  # any refusal: the upstream was empty just then, the ceiling not stale
+        state = replace(state, clean_s=0.0)
     return _grow(state, dt, accepted_rate, p)
 
 
@@ -417,10 +446,21 @@ def _heavy(refused: int, outcomes: int, p: PacingParams) -> bool:
 
 
 def _cut(
-    state: PacerState, refused: int, outcomes: int, sent: float, p: PacingParams
+    state: PacerState,
+    refused: int,
+    outcomes: int,
+    sent: float,
+    p: PacingParams,
+    accepted_rate: float = 0.0,
 ) -> PacerState:
     est = max(p.min_rate, sent * (1.0 - refused / outcomes))
     heavy = _heavy(refused, outcomes, p)
+    if not heavy:
+        # what the upstream accepted, in this window and on average alike (the
+        # window alone may be a batch, the average alone may lag a drop), never
+        # above what was sent, is a lower bound of its refill rate: refusals of
+        # bursts reaching a small bucket do not compound cut after cut under it
+        est = max(est, min(sent, state.delivered, accepted_rate))
     target = p.decrease_factor * state.rate if heavy else est * (1.0 - p.decrease_margin)
     rate = min(state.rate, max(target, p.decrease_factor * state.rate))
     return replace(
@@ -439,6 +479,7 @@ def _cut(
         surplus=0.0,
         ladder=0.0,
         since_cut_s=0.0,
+        clean_s=0.0,
     )
 
 
@@ -502,14 +543,17 @@ def _grow(state: PacerState, dt: float, accepted_rate: float, p: PacingParams) -
     step = p.increase_step * dt / rtt
     slack = 0.5 * m * c * min(state.since_cut_s, STALE_HORIZON_S)
     slack += max(0.0, rate - c) * (rtt + 1.0)  # outcomes still on their way
-    ladder = state.ladder
+    ladder, clean = state.ladder, state.clean_s
+    if state.firm and rate >= c and state.hold_s <= 0:
+        clean += dt
     if state.hold_s > 0:
         pass  # after a Retry-After: stay just under the remembered ceiling
     elif ladder > 0:  # capped: a probe overshoots by its last step
         ladder = min(ladder * 2.0 ** (dt / rtt), LADDER_MAX * rate)
         rate += min(ladder * dt / rtt, LADDER_MAX * rate)
-    elif state.surplus > state.saved + 2.0 * slack and rate > c * (
-        1.0 if state.firm else SOFT_FACTOR
+    elif (state.firm and rate >= c and clean >= PROBE_RTTS * rtt) or (
+        state.surplus > state.saved + 2.0 * slack
+        and rate > c * (1.0 if state.firm else SOFT_FACTOR)
     ):
         ladder = step  # the ceiling is stale: the upstream has grown
         rate += ladder
@@ -521,7 +565,7 @@ def _grow(state: PacerState, dt: float, accepted_rate: float, p: PacingParams) -
         rate = min(c, rate + step)
     else:
         rate += step
-    return replace(state, rate=_clamp(rate, p), ladder=ladder)
+    return replace(state, rate=_clamp(rate, p), ladder=ladder, clean_s=clean)
 
 
 CATCH_UP = 1.25  # the most a late tick's budget may exceed the rate over its span

@@ -281,6 +281,47 @@ def test_a_stale_ceiling_is_climbed_with_doubling_steps() -> None:
     assert steps[-1] >= 8 * P.increase_step  # the upstream has grown: find it fast
 
 
+def test_clean_round_trips_at_a_firm_ceiling_start_the_ladder() -> None:
+    # saved is huge: the surplus test alone would not call this ceiling stale
+    # for minutes; PROBE_RTTS clean round trips at or above it with demand do
+    state, steps = at_ceiling(rate=90.0, ceiling=90.0), []
+    for _ in range(int(pacer.PROBE_RTTS) + 3):
+        before = state.rate
+        window = OutcomeWindow(accepted=round(before), accepted_fresh=round(before))
+        state, _ = run(state, window, full(round(before)))
+        steps.append(state.rate - before)
+    probe = int(pacer.PROBE_RTTS) - 1
+    assert steps[:probe] == pytest.approx([P.increase_step] * probe)
+    assert state.ladder > 0
+    assert steps[-1] >= 4 * P.increase_step  # doubling: the ceiling is probed, fast
+
+
+def test_a_refusal_restarts_the_clean_time_before_a_probe() -> None:
+    state = replace(at_ceiling(rate=90.0, ceiling=90.0), clean_s=pacer.PROBE_RTTS - 1.0)
+    window = OutcomeWindow(accepted=89, refused=1, accepted_fresh=89, refused_fresh=1)
+    state, _ = run(state, window, full(90))  # under the episode threshold: held
+    assert (state.clean_s, state.ladder, state.epoch) == (0.0, 0.0, 7)
+    for _ in range(int(pacer.PROBE_RTTS) - 1):
+        state, _ = run(state, OutcomeWindow(accepted=90, accepted_fresh=90), full(90))
+    assert state.ladder == 0.0  # not yet: the clean time starts again
+
+
+def test_a_mild_cut_never_goes_under_what_the_upstream_accepted() -> None:
+    # a burst of prefetched work reached a small bucket: 10 of 105 refused,
+    # but the upstream accepted 95/s in the window and on average
+    state = replace(at_ceiling(rate=100.0, ceiling=100.0), delivered=95.0)
+    window = OutcomeWindow(accepted=95, refused=10, accepted_fresh=95, refused_fresh=10)
+    after, _ = run(state, window, full(100))
+    assert after.epoch == 8
+    assert after.rate == pytest.approx(95.0 * (1 - P.decrease_margin))
+    assert after.ceiling == pytest.approx(95.0 * (1 - P.decrease_margin))
+    # a drop: the window accepted far less than the average (which lags it)
+    window = OutcomeWindow(accepted=60, refused=10, accepted_fresh=60, refused_fresh=10)
+    after, _ = run(replace(state, delivered=99.0), window, full(100))
+    share = 100.0 * (1 - 10 / 70)
+    assert after.rate == pytest.approx(share * (1 - P.decrease_margin))
+
+
 # --- cuts ---------------------------------------------------------------------
 
 
@@ -387,6 +428,23 @@ def test_retry_after_closes_then_resumes_just_under_the_ceiling_and_holds() -> N
     for _ in range(20):  # probing into a penalty box is rationed
         state, plan = run(state, OutcomeWindow(accepted=72, accepted_fresh=72), full(plan.budget))
     assert state.rate == pytest.approx(80.0 * P.ceiling_resume_fraction)
+
+
+def test_a_retry_after_of_a_few_round_trips_holds_only_a_few_round_trips() -> None:
+    # an API that sends `Retry-After: 1` with every 429 says when the next
+    # token comes: no penalty box, so no retry_after / decrease_margin hold
+    state = replace(at_ceiling(rate=100.0), delivered=80.0)
+    window = OutcomeWindow(accepted=78, refused=2, refused_fresh=2, retry_after_s=1.0)
+    state, plan = run(state, window, full(100), cooldown=1.0)
+    assert plan.cooldown
+    assert state.hold_s == pytest.approx(pacer.SHORT_HOLD_RTTS * P.tick_seconds)
+    state, plan = run(state, EMPTY, Demand(budget=0))  # reopened
+    resumed = state.rate
+    assert resumed == pytest.approx(80.0 * P.ceiling_resume_fraction)
+    for _ in range(int(pacer.SHORT_HOLD_RTTS) + 2):
+        window = OutcomeWindow(accepted=plan.budget, accepted_fresh=plan.budget)
+        state, plan = run(state, window, full(plan.budget))
+    assert state.rate > resumed  # growing again after a few round trips
 
 
 # --- persistence --------------------------------------------------------------
