@@ -103,6 +103,7 @@ EX_OK, EX_FAILURE, EX_USAGE = 0, 1, 2
 
 
 Handler = Callable[[Job], Awaitable[object]]
+Lifespan = Callable[[], contextlib.AbstractAsyncContextManager[object]]
 H = TypeVar("H", bound=Handler)
 
 
@@ -114,12 +115,15 @@ class WorkerApp:
     ``job.deadline``, after which it is cancelled and reported ``retry``.
     ``groups`` names ``[groups.NAME]`` whose shared queues it consumes too (a
     grouped destination's offers are there; the handler gets ``job.destination``).
+    ``lifespan`` makes an async context manager that a worker enters before it
+    first consumes and leaves once it has stopped: open what the handlers share
+    (an HTTP client, a connection pool) there.
     """
 
     def __init__(
         self, *, destinations: Iterable[str] = (), prefetch: int = 16, check_current: bool = True,
         shutdown_grace_seconds: float = 10.0, handler_timeout_seconds: float | None = 240.0,
-        groups: Iterable[str] = (),
+        groups: Iterable[str] = (), lifespan: Lifespan | None = None,
     ) -> None:  # fmt: skip
         if prefetch < 1 or shutdown_grace_seconds < 0:
             raise ValueError("prefetch must be >= 1 and shutdown_grace_seconds >= 0")
@@ -130,6 +134,7 @@ class WorkerApp:
         self.handler_timeout_seconds = handler_timeout_seconds
         self._destinations = list(dict.fromkeys(destinations))
         self.groups = tuple(dict.fromkeys(groups))
+        self.lifespan = lifespan
         self._handlers: dict[tuple[str | None, str | None], Handler] = {}
         self._resolved: dict[tuple[str, str], Handler | None] = {}  # handler_for's answers
 
@@ -463,22 +468,26 @@ class Worker:
             changed.set()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Consumes until ``request_stop()``; ``started()`` once it first consumes."""
+        """Consumes until ``request_stop()``; ``started()`` once it first consumes.
+        The app's ``lifespan`` is entered first and left last."""
         backoff = 0.5
-        try:
-            while not self._stop.is_set():
-                try:
-                    await self._session(task_status)
-                    backoff = 0.5
-                except PacerdError as exc:
-                    log.warning("worker_broker_unavailable", error=str(exc), retry_in=backoff)
-                    with anyio.move_on_after(backoff):
-                        await self._stop.wait()
-                    backoff = min(backoff * 2, 10.0)
-        finally:
-            if self.current_check is not None:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-                    await self.current_check.close()
+        async with contextlib.AsyncExitStack() as stack:
+            if self.app.lifespan is not None:
+                await stack.enter_async_context(self.app.lifespan())
+            try:
+                while not self._stop.is_set():
+                    try:
+                        await self._session(task_status)
+                        backoff = 0.5
+                    except PacerdError as exc:
+                        log.warning("worker_broker_unavailable", error=str(exc), retry_in=backoff)
+                        with anyio.move_on_after(backoff):
+                            await self._stop.wait()
+                        backoff = min(backoff * 2, 10.0)
+            finally:
+                if self.current_check is not None:
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                        await self.current_check.close()
 
     async def _declare(self) -> None:
         """The same topology as the daemon (``Broker``): idempotent, either may

@@ -14,11 +14,12 @@ app consumes exactly those destinations.
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import json
 import math
 import os
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -26,7 +27,7 @@ from pacerd.clock import wall_clock_seconds
 from pacerd.worker import Fail, Job, Refused, Retry, WorkerApp
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncGenerator, Mapping
+    from collections.abc import AsyncIterator, Mapping
 
 ENV_UPSTREAMS = "DEMO_UPSTREAMS"
 
@@ -43,38 +44,28 @@ def new_client(max_connections: int) -> httpx.AsyncClient:
     return httpx.AsyncClient(limits=limits, timeout=TIMEOUT)
 
 
-class SharedClient:
-    """One ``httpx.AsyncClient`` for every call of a worker process, closed with it.
+class UpstreamClient:
+    """The one pooled client of a worker process: opened by the app's
+    ``lifespan`` when the worker starts, closed once it has stopped."""
 
-    ``WorkerApp`` has no start-up or shutdown hook, so the client is made with
-    the app (it opens connections only when it needs them) and the first call
-    ties its closing to the worker's event loop: an async generator holds it
-    open, and asyncio closes the generators still suspended when the loop shuts
-    down. Where you have a lifespan, use ``async with new_client(...)`` there.
-    """
+    def __init__(self, max_connections: int) -> None:
+        self.max_connections = max_connections
+        self._client: httpx.AsyncClient | None = None
 
-    _open: ClassVar[set[SharedClient]] = set()  # kept until their loop shuts down
+    @contextlib.asynccontextmanager
+    async def lifespan(self) -> AsyncIterator[None]:
+        async with new_client(self.max_connections) as client:
+            self._client = client
+            try:
+                yield
+            finally:
+                self._client = None
 
-    def __init__(self, client: httpx.AsyncClient) -> None:
-        self.client = client
-        self._closing: AsyncGenerator[None] | None = None
-
-    async def get(self) -> httpx.AsyncClient:
-        if self._closing is None:
-            self._closing = self._closed_on_shutdown()
-            await anext(self._closing)
-        return self.client
-
-    async def aclose(self) -> None:
-        await (self._closing.aclose() if self._closing is not None else self.client.aclose())
-
-    async def _closed_on_shutdown(self) -> AsyncGenerator[None]:
-        SharedClient._open.add(self)  # else garbage collection could take it first
-        try:
-            yield
-        finally:
-            SharedClient._open.discard(self)
-            await self.client.aclose()
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            raise RuntimeError("the upstream client is open only while the worker runs")
+        return self._client
 
 
 def parse_retry_after(value: str | None) -> float | None:
@@ -114,17 +105,20 @@ async def call_upstream(client: httpx.AsyncClient, base_url: str, job: Job) -> d
 
 def build_app(upstreams: Mapping[str, str], *, prefetch: int = 32) -> WorkerApp:
     """A worker app calling ``upstreams[job.destination]`` for every job."""
-    app = WorkerApp(destinations=list(upstreams), prefetch=prefetch, handler_timeout_seconds=20.0)
     # prefetch bounds the handlers running at once for each destination's queue:
     # one connection for each, so no call waits for the pool
-    http = SharedClient(new_client(max_connections=prefetch * max(1, len(upstreams))))
+    http = UpstreamClient(max_connections=prefetch * max(1, len(upstreams)))
+    app = WorkerApp(
+        destinations=list(upstreams), prefetch=prefetch, handler_timeout_seconds=20.0,
+        lifespan=http.lifespan,
+    )  # fmt: skip
 
     @app.handler()
     async def demo_call(job: Job) -> dict[str, Any]:
         base_url = upstreams.get(job.destination)
         if base_url is None:
             raise Fail(f"no upstream configured for destination {job.destination!r}")
-        return await call_upstream(await http.get(), base_url, job)
+        return await call_upstream(http.client, base_url, job)
 
     return app
 

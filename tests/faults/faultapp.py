@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from pacerd.testing.demo_app import SharedClient, new_client, parse_retry_after
+from pacerd.testing.demo_app import UpstreamClient, parse_retry_after
 from pacerd.worker import Fail, Job, Refused, Retry, WorkerApp
 
 
@@ -48,9 +48,12 @@ class CallLog:
 def build_app(
     upstream: str, destinations: list[str], *, log: CallLog, hold_ms: float, prefetch: int
 ) -> WorkerApp:
-    app = WorkerApp(destinations=destinations, prefetch=prefetch, handler_timeout_seconds=20.0)
+    http = UpstreamClient(max_connections=prefetch * max(1, len(destinations)))
+    app = WorkerApp(
+        destinations=destinations, prefetch=prefetch, handler_timeout_seconds=20.0,
+        lifespan=http.lifespan,
+    )  # fmt: skip
     pid = os.getpid()
-    http = SharedClient(new_client(max_connections=prefetch * max(1, len(destinations))))
 
     @app.handler()
     async def call(job: Job) -> dict[str, Any]:
@@ -59,7 +62,7 @@ def build_app(
         base |= {"key": key, "pid": pid}
         log.write(ev="start", t=time.time(), **base)
         try:
-            response = await (await http.get()).post(
+            response = await http.client.post(
                 f"{upstream}/v1/call",
                 content=json.dumps(job.payload).encode(),
                 headers={"Idempotency-Key": key, "Content-Type": "application/json"},

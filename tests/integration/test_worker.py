@@ -6,6 +6,7 @@ code (``pacerd.testing.offer_due`` / ``apply_outcomes``)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -535,3 +536,34 @@ async def test_a_slow_handler_holds_back_neither_the_reports_nor_the_acks_of_oth
         assert await rig.apply(1) == 1
     assert (await rig.state("slow"))[0].state is JobState.COMPLETED
     assert await rig.ready_count() == 0
+
+
+async def test_the_apps_lifespan_is_open_for_every_handler_and_closed_after_the_stop(
+    rig: Rig,
+) -> None:
+    events: list[str] = []
+
+    @contextlib.asynccontextmanager
+    async def lifespan() -> AsyncIterator[None]:
+        events.append("open")
+        try:
+            yield
+        finally:
+            events.append("closed")
+
+    app = WorkerApp(destinations=[rig.destination], lifespan=lifespan)
+
+    @app.handler()
+    async def handle(job: Job) -> None:
+        events.append(f"handled {job.job_id}")
+
+    for job_id in ("l-1", "l-2"):
+        await rig.schedule(job_id)
+    with anyio.fail_after(15):
+        await rig.offer()
+        worker = rig.worker(app)
+        await run_until(worker, reported(2))
+        assert await rig.apply(2) == 2
+    assert events[0] == "open"
+    assert sorted(events[1:3]) == ["handled l-1", "handled l-2"]
+    assert events[3:] == ["closed"]

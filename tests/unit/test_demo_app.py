@@ -1,12 +1,11 @@
 """The demo's worker app against the model upstream over loopback HTTP: each
 answer becomes the outcome the worker reports (200 → ok, 429 → refused with
 its Retry-After in either form, 5xx or no answer → retry, other 4xx → fail),
-every call of an app goes through one pooled client, and that client is
-closed when the worker's event loop shuts down."""
+every call of an app goes through one pooled client, open only while the
+worker runs (the app's lifespan)."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import datetime as dt
 from typing import Any
 
@@ -15,7 +14,7 @@ import httpx
 import pytest
 
 from pacerd.testing.demo_app import (
-    SharedClient,
+    UpstreamClient,
     build_app,
     call_upstream,
     new_client,
@@ -127,16 +126,18 @@ async def test_the_app_reuses_one_pooled_client_for_all_its_calls() -> None:
         app = build_app({DESTINATION: server.url}, prefetch=prefetch)
         handler = app.handler_for("call", DESTINATION)
         assert handler is not None
-        for i in range(20):  # one after the other: one kept-alive connection
-            await handler(job(f"seq-{i}"))
-        assert server.connections == 1
+        assert app.lifespan is not None
+        async with app.lifespan():  # as a worker runs the app
+            for i in range(20):  # one after the other: one kept-alive connection
+                await handler(job(f"seq-{i}"))
+            assert server.connections == 1
 
-        async def call(i: int) -> None:
-            await handler(job(f"par-{i}"))
+            async def call(i: int) -> None:
+                await handler(job(f"par-{i}"))
 
-        async with anyio.create_task_group() as tg:  # 40 at once: at most `prefetch` connections
-            for i in range(40):
-                tg.start_soon(call, i)
+            async with anyio.create_task_group() as tg:  # 40 at once: <= `prefetch` connections
+                for i in range(40):
+                    tg.start_soon(call, i)
     assert server.stats()["accepted"] == 60
     assert server.connections <= prefetch
 
@@ -149,21 +150,17 @@ async def test_an_unknown_destination_fails() -> None:
         await handler(job(destination="elsewhere"))
 
 
-def test_the_shared_client_closes_when_the_workers_event_loop_shuts_down() -> None:
-    client = new_client(max_connections=2)
-    shared = SharedClient(client)
-
-    async def calls() -> int:
-        async with upstream() as server:
+async def test_the_upstream_client_is_open_only_within_the_apps_lifespan() -> None:
+    http = UpstreamClient(max_connections=2)
+    with pytest.raises(RuntimeError, match="only while the worker runs"):
+        _ = http.client
+    async with upstream() as server:
+        async with http.lifespan():
+            client = http.client
             for i in range(3):
-                await call_upstream(await shared.get(), server.url, job(f"j{i}"))
-            assert not client.is_closed  # open while the loop runs
-            return server.connections
-
-    def worker_process() -> int:  # as `pacerd worker` runs its app
-        return anyio.run(calls, backend_options={"use_uvloop": True})
-
-    # an event loop of its own, in a thread, beside the tests' loop
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        assert pool.submit(worker_process).result(timeout=30) == 1
+                await call_upstream(http.client, server.url, job(f"j{i}"))
+            assert not client.is_closed
+        assert server.connections == 1
     assert client.is_closed
+    with pytest.raises(RuntimeError, match="only while the worker runs"):
+        _ = http.client
