@@ -20,9 +20,16 @@ is made and the offer's ``traceparent`` is passed on to its outcome. On stop it
 cancels its consumers, gives in-flight handlers a grace period and abandons the
 rest unacknowledged: the broker returns them to the queue. It must not write
 the ledger: outcomes reach pacerd only as messages (``pacerd.is_current`` is
-its one, read-only, query). A malformed envelope never stops it.
+its one, read-only, query). A malformed envelope never stops it. What the
+handlers share (an HTTP client) is opened by the app's ``lifespan`` before the
+worker first consumes and closed once it has stopped.
 
-    app = WorkerApp(destinations=["llm"], prefetch=16)
+    @contextlib.asynccontextmanager
+    async def lifespan() -> AsyncIterator[None]:
+        async with httpx.AsyncClient() as shared.client:
+            yield
+
+    app = WorkerApp(destinations=["llm"], prefetch=16, lifespan=lifespan)
 
     @app.handler("summarize")
     async def summarize(job: Job) -> dict[str, object]:
