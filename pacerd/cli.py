@@ -13,6 +13,7 @@ import datetime as dt
 import json
 import os
 import re
+import signal
 import sys
 import traceback
 from typing import TYPE_CHECKING, Any
@@ -290,10 +291,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return worker.main(cfg, app_ref=args.app)
     if args.verb == "status" and args.watch:
-        from pacerd import statusview
-
-        anyio.run(_check_ledger, cfg)
-        return anyio.run(statusview.watch, cfg.database.dsn, args.interval)
+        return anyio.run(_watch_status, cfg, args.interval)
     handler = _ASYNC_VERBS[args.verb]
     return anyio.run(handler, cfg, args)
 
@@ -348,6 +346,33 @@ def _check_config(cfg: Config, path: str | None, args: argparse.Namespace) -> in
         in_group = f" (group {group_name})" if group_name else ""
         print(f"  destination {name}: queue {cfg.queue_for(name)}{in_group}")
     return EX_OK
+
+
+async def _watch_status(cfg: Config, interval: float) -> int:
+    """``status --watch`` until Ctrl-C: the ledger's check, then the live view,
+    in one event loop whose SIGINT handler ends either at once with status 130
+    (a signal that lands between two loops, or is taken for an ordinary
+    cancellation, is never lost)."""
+    from pacerd import statusview
+
+    failed: list[PacerdError] = []
+    with anyio.open_signal_receiver(signal.SIGINT) as signals:
+        async with anyio.create_task_group() as tg:
+
+            async def view() -> None:
+                try:
+                    await _check_ledger(cfg)
+                    await statusview.watch(cfg.database.dsn, interval)
+                except PacerdError as exc:  # raised as main() reports it, not in a group
+                    failed.append(exc)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(view)
+            async for _ in signals:
+                tg.cancel_scope.cancel()
+    if failed:
+        raise failed[0]
+    return EX_INTERRUPTED
 
 
 async def _check_ledger(cfg: Config) -> None:
