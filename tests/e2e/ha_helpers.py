@@ -181,11 +181,11 @@ async def first_claim_after(
 async def takeover_from(
     dsn: str, destination: str, killed: dt.datetime, *, old: str, within: float
 ) -> tuple[ClaimGroup, float]:
-    """The first claim of ``destination`` after ``killed`` (the new leader's),
-    and the rate that ``old`` left persisted for it: the last pacer state
-    saved by ``old``, read until the new leader claims (it saves only at the
-    end of that tick). Its last tick record is not that rate when the kill
-    fell between the tick's save and its record."""
+    """The first claim of ``destination`` after ``killed`` by another instance
+    than ``old`` (the new leader's), and the rate that ``old`` left persisted
+    for it: the last pacer state saved by ``old``, read until the new leader
+    claims (it saves only at the end of that tick). Its last tick record is
+    not that rate when the kill fell between the tick's save and its record."""
     saved: float | None = None
     conn = await asyncpg.connect(dsn)
     try:
@@ -199,7 +199,7 @@ async def takeover_from(
                 if persisted.get("tick", {}).get("by") == old:
                     saved = float(persisted["pacer"]["rate"])
                 for group in await claim_groups(dsn, destination):
-                    if group.at > killed:
+                    if group.at > killed and group.by != old:
                         assert saved is not None, f"{old} left no pacer state of {destination}"
                         return group, saved
                 await anyio.sleep(0.05)

@@ -146,13 +146,15 @@ async def test_kill_9_of_a_leader_then_of_the_reconciler_instance(
             await anyio.sleep(4 * tick)  # busy, at its full rate
 
             killed_1 = victim.kill9()
-            took_2, saved_2 = await takeover_from(db_dsn, d2, killed_1, old=victim.name, within=10)
+            dead_1 = utcnow()  # reaped: no claim of the victim starts after this
+            took_2, saved_2 = await takeover_from(db_dsn, d2, dead_1, old=victim.name, within=10)
             await anyio.sleep(4 * tick)
 
             # The reconciler's instance, which also leads d1.
             assert first.events("leadership_acquired", role="reconciler")
             killed_2 = first.kill9()
-            took_1, saved_1 = await takeover_from(db_dsn, d1, killed_2, old="k-1", within=10)
+            dead_2 = utcnow()
+            took_1, saved_1 = await takeover_from(db_dsn, d1, dead_2, old="k-1", within=10)
             survivor = next(i for i in cluster.instances.values() if i.alive)
             reconciler = await survivor.wait_event(
                 "leadership_acquired", role="reconciler", within=10
@@ -176,7 +178,7 @@ async def test_kill_9_of_a_leader_then_of_the_reconciler_instance(
     assert passes_before(survivor, reconciler, after=killed_2) <= 1, (killed_2, reconciler)
     groups = await claim_groups(db_dsn)
     assert_one_leader_at_a_time(groups, tick)
-    cut_short = {victim.name: [killed_1], "k-1": [killed_2]}
+    cut_short = {victim.name: [dead_1], "k-1": [dead_2]}
     for d, old, took, saved in ((d2, victim.name, took_2, saved_2), (d1, "k-1", took_1, saved_1)):
         pairs = assert_claims_within_budgets(groups, cluster, d, cut_short=cut_short)
         before = [t for g, t in pairs if g.by == old and t is not None]
