@@ -126,12 +126,12 @@ async def explain(conn: asyncpg.Connection, sql: str, batch: int) -> tuple[str, 
     try:
         rows = await conn.fetch(
             f"EXPLAIN (ANALYZE, BUFFERS) {sql}",
-            DESTINATION,
-            batch // 5,
-            batch,
-            30.0,
-            0,
-            LIVE_WINDOW_SECONDS,
+            [DESTINATION],
+            [batch // 5],
+            [batch],
+            [30.0],
+            [0],
+            [LIVE_WINDOW_SECONDS],
             None,
             "bench-explain",
         )

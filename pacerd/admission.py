@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import zlib
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
@@ -75,6 +75,10 @@ class AdmissionLedger(Protocol):
     """The ledger operations a tick needs (``ledger.Ledger`` and fakes)."""
 
     async def read_destination(self, destination: str) -> DestinationRow | None: ...
+
+    async def is_closed(self, destination: str) -> bool:
+        """Paused or in a cool-down now (a release slice's check)."""
+        ...
 
     async def count_inflight(self, destination: str) -> int: ...
 
@@ -310,6 +314,7 @@ class DestinationAdmission:
         observer: TickObserver | None = None,
         is_paused_locally: Callable[[], bool] = lambda: False,
         law: PlanFn = pacer.plan_tick,
+        anchor: float | None = None,
     ) -> None:
         self.ledger = ledger
         self.publisher = publisher
@@ -318,6 +323,9 @@ class DestinationAdmission:
         self.observer = observer
         self.is_paused_locally = is_paused_locally
         self.law = law
+        # Ticks fall on ``anchor + k * tick_seconds`` (the tick loop's schedule,
+        # shared by every destination) rather than on the first tick's time.
+        self.anchor = anchor
         self.state: pacer.PacerState | None = None
         self.next_deadline: float | None = None  # the last plan's, for run_destination
         self._previous_row: DestinationRow | None = None
@@ -374,7 +382,12 @@ class DestinationAdmission:
         row = await self.ledger.read_destination(dest)
         if row is None:
             return TickResult(destination=dest, skipped="unknown")
-        state = self.state if self.state is not None else self._load_state(row, now)
+        if self.state is not None:
+            state = self.state
+        else:
+            state = self._load_state(row, now)
+            if self.anchor is not None:
+                state = replace(state, deadline=min(self.anchor, now))
         previous, self._previous_row = self._previous_row, row
         window = counters_window(row, previous, interval_seconds=max(0.0, now - state.last_tick))
         skipped = None
@@ -576,11 +589,10 @@ class DestinationAdmission:
         ledger gone, publishes could not be marked offered, so the tick stops
         releasing (what it cannot release returns at the claim lease's end)."""
         try:
-            row = await self.ledger.read_destination(self.config.destination)
+            return await self.ledger.is_closed(self.config.destination)
         except LedgerError as exc:
             log.warning("tick_stopped", destination=self.config.destination, error=str(exc))
             return True
-        return row is not None and (row.effectively_paused or row.cooldown_remaining_seconds > 0)
 
     async def _publish_slice(
         self, group: Sequence[ClaimedJob], outcome: _Publishing, room: _Room
@@ -672,6 +684,7 @@ async def run_destination(
     leads: Callable[[], bool] = lambda: True,
     stop: anyio.Event | None = None,
     on_pass: Callable[[], None] | None = None,
+    until: Callable[[TickResult | None], Awaitable[bool]] | None = None,
 ) -> None:
     """Runs ticks on the pacer's schedule (each plan's ``next_deadline``: a
     tick that ends late is followed at once by the next, whose budget and
@@ -679,15 +692,17 @@ async def run_destination(
     skipped, not replayed). A ``PacerdError`` in a pass is logged, the pacer
     is kept and the loop continues; anything else ends the process. ``stop``
     ends the loop after the current tick (whose unpublished claims are
-    released)."""
+    released). ``until`` gets each pass's result (None when the pass did not
+    tick, or failed) and ends the loop by returning True."""
     clock = admission.clock
     stop = stop or anyio.Event()
     admission.stop = stop
     deadline = clock.monotonic()
     while not stop.is_set():
+        result: TickResult | None = None
         if leads():
             try:
-                await admission.run_once()
+                result = await admission.run_once()
             except* PacerdError as failed:  # raised by the tick, or by a task inside it
                 errors = "; ".join(str(exc) for exc in failed.exceptions)
                 log.warning("tick_failed", destination=admission.config.destination, error=errors)
@@ -696,6 +711,8 @@ async def run_destination(
             admission.reset()
         if on_pass is not None:
             on_pass()
+        if until is not None and await until(result):
+            return
         tick = admission.config.params.tick_seconds
         if admission.next_deadline is not None:
             deadline = admission.next_deadline

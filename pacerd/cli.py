@@ -126,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     migrate.add_argument(
         "--print-grants", action="store_true", help="print the grants' SQL; change nothing"
     )
+    migrate.add_argument(
+        "--partitions",
+        type=int,
+        metavar="N",
+        help="how many partitions destinations hash into, led one lock each (default: keep;"
+        " 64 for a new ledger); changed only while no pacerd instance runs",
+    )
     for role in ("producer", "worker", "operator"):
         migrate.add_argument(
             f"--{role}-role",
@@ -414,6 +421,10 @@ async def _migrate(cfg: Config, args: argparse.Namespace) -> int:
     if args.print_grants:
         print(grants_sql(roles, create_roles=not args.no_roles), end="")
         return EX_OK
+    if args.partitions is not None and not 1 <= args.partitions <= ledger.MAX_PARTITIONS:
+        raise UsageError(
+            f"--partitions must be between 1 and {ledger.MAX_PARTITIONS}, got {args.partitions}"
+        )
     applied = await ledger.migrate(
         cfg.database.dsn,
         roles=roles,
@@ -423,10 +434,13 @@ async def _migrate(cfg: Config, args: argparse.Namespace) -> int:
     led = await ledger.Ledger.connect(cfg.database.dsn, max_size=2)
     try:
         await led.write_settings(ledger.settings_from_retry(cfg.retry))
+        if args.partitions is not None:
+            await led.set_partitions(args.partitions)
+        partitions = await led.read_partitions()
     finally:
         await led.close()
     if args.json:
-        _print_json({"applied": applied})
+        _print_json({"applied": applied, "partitions": partitions})
     elif applied:
         for name in applied:
             print(f"applied {name}")

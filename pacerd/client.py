@@ -271,11 +271,13 @@ class Client:
             now: dt.datetime = await self.pool.fetchval("SELECT now()")
             rows = await self.pool.fetch(
                 "SELECT d.destination, d.paused, c.paused_all, d.cooldown_until,"
-                " d.pacer_state::text AS pacer_state, d.leader, d.leader_since,"
+                " d.pacer_state::text AS pacer_state, p.leader, p.leader_since,"
                 " d.n_accepted, d.n_refused"
-                " FROM pacerd.destinations d, pacerd.control c ORDER BY d.destination"
+                " FROM pacerd.destinations d CROSS JOIN pacerd.control c"
+                " LEFT JOIN pacerd.partitions p ON p.partition = d.partition"
+                " ORDER BY d.destination"
             )
-            summary = await self.pool.fetch(load_queries()["due_summary"].sql, now)
+            summary = await self.pool.fetch(load_queries()["due_summary"].sql, now, False)
         dues = {
             s["destination"]: DueSummary(
                 destination=s["destination"],

@@ -10,22 +10,21 @@ here with ``raise ... from exc``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
-import math
 import re
 from dataclasses import dataclass
 from importlib import resources
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-import anyio
 import asyncpg
 import structlog
 from asyncpg.pool import PoolConnectionProxy
 
-from pacerd.clock import SystemClock
 from pacerd.errors import LedgerError, LedgerRejected, LedgerUnavailable, MigrationError
 from pacerd.models import (
     ClaimedJob,
+    ClaimRequest,
     DestinationRow,
     DueSummary,
     JobRef,
@@ -39,10 +38,12 @@ if TYPE_CHECKING:
     import datetime as dt
     from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 
-    from pacerd.clock import Clock
 
 Conn = asyncpg.Connection | PoolConnectionProxy
 
+LEADER_APPLICATION_NAME = "pacerd:leader"  # the leadership sessions (pacerd.leadership)
+DEFAULT_PARTITIONS = 64
+MAX_PARTITIONS = 4096
 MIGRATION_LOCK_KEY = 0x7061636572  # "pacer": serialises concurrent `pacerd migrate` runs
 _MIGRATION_NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
 _UNAVAILABLE_STATES = {"57P01", "57P02", "57P03", "53300", "08000", "08003", "08006", "08001"}
@@ -62,7 +63,12 @@ class Query:
 
 
 def load_queries() -> dict[str, Query]:
-    """Parses ``sql/queries.sql`` into named blocks."""
+    """The named blocks of ``sql/queries.sql`` (parsed once; a fresh dict each call)."""
+    return dict(_parse_queries())
+
+
+@functools.cache
+def _parse_queries() -> dict[str, Query]:
     text = resources.files("pacerd.sql").joinpath("queries.sql").read_text(encoding="utf-8")
     queries: dict[str, Query] = {}
     for block in re.split(r"^-- name: ", text, flags=re.MULTILINE)[1:]:
@@ -322,33 +328,50 @@ class Ledger:
         instance: str,
         now: dt.datetime | None = None,
     ) -> list[ClaimedJob]:
-        if limit <= 0:
-            return []
+        request = ClaimRequest(
+            destination=destination, live_limit=live_limit, limit=limit,
+            claim_seconds=claim_seconds, epoch=epoch, live_window_seconds=live_window_seconds,
+        )  # fmt: skip
+        claimed = await self.claim_due_many([request], instance=instance, now=now)
+        return claimed.get(destination, [])
+
+    async def claim_due_many(
+        self, requests: Sequence[ClaimRequest], *, instance: str, now: dt.datetime | None = None
+    ) -> dict[str, list[ClaimedJob]]:
+        """One claim statement for many destinations (one request each, taken
+        in name order); their claimed jobs by destination, oldest first."""
+        wanted = sorted((r for r in requests if r.limit > 0), key=lambda r: r.destination)
+        if not wanted:
+            return {}
+        if len({r.destination for r in wanted}) != len(wanted):
+            raise ValueError("one claim request per destination")
         rows = await self._fetch(
             "claim_due",
-            destination,
-            max(0, live_limit),
-            limit,
-            claim_seconds,
-            epoch,
-            live_window_seconds,
+            [r.destination for r in wanted],
+            [max(0, r.live_limit) for r in wanted],
+            [r.limit for r in wanted],
+            [r.claim_seconds for r in wanted],
+            [r.epoch for r in wanted],
+            [r.live_window_seconds for r in wanted],
             now,
             instance,
         )
-        return [
-            ClaimedJob(
-                job_id=r["job_id"],
-                kind=r["kind"],
-                destination=r["destination"],
-                attempt=r["attempt"],
-                revision=r["revision"],
-                payload_json=r["payload"],
-                cursor_json=r["cursor"],
-                eligible_at=r["next_attempt_at"],
-                live=r["live"],
+        claimed: dict[str, list[ClaimedJob]] = {}
+        for r in rows:
+            claimed.setdefault(r["destination"], []).append(
+                ClaimedJob(
+                    job_id=r["job_id"],
+                    kind=r["kind"],
+                    destination=r["destination"],
+                    attempt=r["attempt"],
+                    revision=r["revision"],
+                    payload_json=r["payload"],
+                    cursor_json=r["cursor"],
+                    eligible_at=r["next_attempt_at"],
+                    live=r["live"],
+                )
             )
-            for r in rows
-        ]
+        return claimed
 
     async def mark_offered(
         self, refs: Sequence[JobRef], *, offer_seconds: float, now: dt.datetime | None = None
@@ -384,8 +407,12 @@ class Ledger:
         ]
 
     async def count_inflight(self, destination: str) -> int:
-        rows = await self._fetch("count_inflight", destination)
-        return int(rows[0]["inflight"])
+        return (await self.count_inflight_many([destination])).get(destination, 0)
+
+    async def count_inflight_many(self, destinations: Sequence[str]) -> dict[str, int]:
+        """Claimed and offered jobs per destination (absent: none)."""
+        rows = await self._fetch("count_inflight", list(destinations))
+        return {r["destination"]: int(r["inflight"]) for r in rows}
 
     async def oldest_due(
         self, destination: str, now: dt.datetime | None = None
@@ -407,8 +434,56 @@ class Ledger:
     async def read_destination(
         self, destination: str, now: dt.datetime | None = None
     ) -> DestinationRow | None:
-        rows = await self._fetch("read_destination", destination, now)
-        return _destination_row(rows[0]) if rows else None
+        return (await self.read_destinations([destination], now)).get(destination)
+
+    async def read_destinations(
+        self, destinations: Sequence[str], now: dt.datetime | None = None
+    ) -> dict[str, DestinationRow]:
+        rows = await self._fetch("read_destination", list(destinations), now)
+        return {r["destination"]: _destination_row(r) for r in rows}
+
+    async def closed_destinations(self, now: dt.datetime | None = None) -> frozenset[str]:
+        """The paused and cooling-down destinations ("*" when all are paused):
+        two small index scans, whatever the number of destinations."""
+        return frozenset(r["destination"] for r in await self._fetch("closed_destinations", now))
+
+    async def is_closed(self, destination: str) -> bool:
+        row = await self.read_destination(destination)
+        return row is not None and row.closed
+
+    async def wake_destinations(
+        self, partitions: Sequence[int], *, within_seconds: float, now: dt.datetime | None = None
+    ) -> list[tuple[str, int]]:
+        """(destination, partition) of every destination of ``partitions``
+        that needs its leader within ``within_seconds``: the active ones and
+        those whose next job comes due (one index scan; idle ones cost nothing)."""
+        if not partitions:
+            return []
+        rows = await self._fetch("wake_destinations", list(partitions), now, within_seconds)
+        return [(r["destination"], r["partition"]) for r in rows]
+
+    async def lock_parking(self, conn: Conn, destinations: Sequence[str]) -> None:
+        """Locks the destinations about to be parked (name order), in ``conn``'s transaction."""
+        await conn.fetch(self._sql("lock_parking"), sorted(set(destinations)))
+
+    async def park_destinations(
+        self, destinations: Sequence[str], now: dt.datetime | None = None
+    ) -> set[str]:
+        """Parks those of ``destinations`` with nothing due and nothing in
+        flight (or paused): their leader plans them no more until their next
+        job comes due or they are resumed. Returns the parked ones."""
+        if not destinations:
+            return set()
+        names = sorted(set(destinations))
+
+        async def park() -> set[str]:
+            async with self.pool.acquire() as conn, conn.transaction():
+                await self.lock_parking(conn, names)
+                rows = await conn.fetch(self._sql("park_destinations"), names, now)
+            return {r["destination"] for r in rows}
+
+        with translate_errors():
+            return await retry_transient("park_destinations", park)
 
     async def ensure_destination(self, destination: str) -> None:
         await self._fetch("ensure_destination", destination)
@@ -421,14 +496,61 @@ class Ledger:
         epoch: int,
         now: dt.datetime | None = None,
     ) -> None:
-        await self._fetch("save_pacer_state", destination, dict(state), epoch, now)
+        await self.save_pacer_states([(destination, state, epoch)], now)
+
+    async def save_pacer_states(
+        self,
+        states: Sequence[tuple[str, Mapping[str, Any], int]],
+        now: dt.datetime | None = None,
+    ) -> None:
+        """Persists (destination, pacer state, epoch) of many destinations in
+        one statement; a destination named twice keeps its last state."""
+        last = {destination: (state, epoch) for destination, state, epoch in states}
+        if not last:
+            return
+        names = list(last)
+        await self._fetch(
+            "save_pacer_state",
+            names,
+            [json.dumps(dict(last[n][0])) for n in names],
+            [last[n][1] for n in names],
+            now,
+        )
 
     async def set_leader(
-        self, destination: str, leader: str | None, now: dt.datetime | None = None
+        self, partition: int, leader: str | None, now: dt.datetime | None = None
     ) -> None:
-        await self._fetch("set_leader", destination, leader, now)
+        """Records who leads ``partition`` (None: nobody), for status."""
+        await self._fetch("set_leader", partition, leader, now)
 
-    async def due_summary(self, now: dt.datetime | None = None) -> list[DueSummary]:
+    async def set_partitions(self, partitions: int) -> None:
+        """Sets how many partitions destinations hash into and places every
+        destination again. Instances read the number when they start, so it
+        is refused while any of them runs (a leadership session is connected)."""
+        if not 1 <= partitions <= MAX_PARTITIONS:
+            raise ValueError(f"partitions must be between 1 and {MAX_PARTITIONS}, got {partitions}")
+        with translate_errors():
+            async with self.pool.acquire() as conn, conn.transaction():
+                await conn.execute("SELECT pg_advisory_xact_lock($1)", MIGRATION_LOCK_KEY)
+                current = await conn.fetchval(self._sql("read_partitions"))
+                if current == partitions:
+                    return
+                running = await conn.fetchval(self._sql("count_instances"), LEADER_APPLICATION_NAME)
+                if running:
+                    raise LedgerRejected(
+                        f"the ledger's partitions stay {current}: {running} pacerd instance(s)"
+                        " run on it; stop them all, then change --partitions"
+                    )
+                await conn.execute(self._sql("set_partitions"), partitions)
+
+    async def read_partitions(self) -> int:
+        """How many partitions the ledger's destinations hash into."""
+        rows = await self._fetch("read_partitions")
+        return int(rows[0]["partitions"]) if rows else DEFAULT_PARTITIONS
+
+    async def due_summary(
+        self, now: dt.datetime | None = None, *, woken_only: bool = False
+    ) -> list[DueSummary]:
         return [
             DueSummary(
                 destination=r["destination"],
@@ -437,7 +559,7 @@ class Ledger:
                 inflight=r["inflight"],
                 dead=r["dead"],
             )
-            for r in await self._fetch("due_summary", now)
+            for r in await self._fetch("due_summary", now, woken_only)
         ]
 
     async def write_settings(self, settings: Mapping[str, object]) -> None:
@@ -496,282 +618,3 @@ async def _report_batch(conn: Conn, sql: str, reports: Sequence[Report]) -> list
         [r.cursor for r in reports],
     )
     return [str(r["result"]) for r in rows]
-
-
-# ---------------------------------------------------------------------------
-# Leadership
-# ---------------------------------------------------------------------------
-
-LEADER_NAMESPACE = 0x70616365  # advisory-lock class id for "destination leadership"
-RECONCILER_LOCK = "#reconciler"  # "#" is not allowed in a destination name
-LEADER_APPLICATION_NAME = "pacerd:leader"
-DEFAULT_LEASE_SECONDS = 5.0
-
-
-class LeaderLocks:
-    """Leadership per destination: PostgreSQL session advisory locks held on
-    one dedicated connection (application_name ``pacerd:leader``).
-
-    Two clocks bound who may act as a leader, and they are ordered:
-
-    - PostgreSQL releases the locks the moment the session ends: at once when
-      the process dies or the socket closes, and after ``2 * lease_seconds``
-      of silence when the network is cut (the session's TCP keepalives and
-      ``tcp_user_timeout`` are set from ``lease_seconds``).
-    - This side trusts a lock for at most ``lease_seconds`` after the last
-      round trip that proved the session alive (measured from when that
-      probe was *sent*), and drops every lock at once when the connection
-      reports its end (asyncpg's termination listener).
-
-    So an instance cut off from the database stops acting as leader before
-    PostgreSQL lets anyone else take its locks. ``wait_lost()`` renews the
-    lease while it waits, so a leader does not depend on the supervisor's
-    cadence to keep it.
-
-    A destination being handed over (``begin_release``) is still locked but
-    no longer led: the admission loop finishes its tick, then ``release()``
-    unlocks it. ``try_acquire`` never locks a name twice (advisory locks are
-    re-entrant within a session, and a second lock would outlive one unlock).
-    """
-
-    def __init__(
-        self,
-        dsn: str,
-        *,
-        instance: str,
-        clock: Clock | None = None,
-        lease_seconds: float = DEFAULT_LEASE_SECONDS,
-    ) -> None:
-        if lease_seconds <= 0:
-            raise ValueError("lease_seconds must be > 0")
-        self.dsn = dsn
-        self.instance = instance
-        self.clock: Clock = clock or SystemClock()
-        self.lease_seconds = lease_seconds
-        self._conn: asyncpg.Connection | None = None
-        self._held: set[str] = set()
-        self._releasing: set[str] = set()
-        self._usable_at: dict[str, float] = {}
-        self._confirmed_at = -math.inf
-        self._io: anyio.Lock | None = None
-        self._changed: anyio.Event | None = None
-
-    # -- local view (no I/O) ---------------------------------------------------
-
-    @property
-    def probe_timeout_seconds(self) -> float:
-        return self.lease_seconds / 2
-
-    @property
-    def backend_pid(self) -> int | None:
-        """The lock session's server process id (for logs and fault tests)."""
-        conn = self._conn
-        return None if conn is None or conn.is_closed() else conn.get_server_pid()
-
-    def _session_ok(self) -> bool:
-        conn = self._conn
-        if conn is None or conn.is_closed():
-            return False
-        return self.clock.monotonic() - self._confirmed_at <= self.lease_seconds
-
-    @property
-    def held(self) -> frozenset[str]:
-        """The names this instance may act as leader of now."""
-        if not self._session_ok():
-            return frozenset()
-        return frozenset(self._held - self._releasing)
-
-    def holds(self, name: str) -> bool:
-        return name in self.held
-
-    def has_lock(self, name: str) -> bool:
-        """Whether the lock of ``name`` is ours (led or being handed over)."""
-        return name in self._held and self._session_ok()
-
-    def releasing(self, name: str) -> bool:
-        return name in self._releasing and name in self._held
-
-    def usable_at(self, name: str) -> float | None:
-        """When this instance may start admitting for ``name`` (monotonic), or
-        None when it does not lead it."""
-        return self._usable_at.get(name) if self.holds(name) else None
-
-    def changed(self) -> anyio.Event:
-        """An event set at the next change of what is held."""
-        if self._changed is None:
-            self._changed = anyio.Event()
-        return self._changed
-
-    def _notify(self) -> None:
-        changed, self._changed = self._changed, None
-        if changed is not None:
-            changed.set()
-
-    def _forget(self) -> None:
-        self._held.clear()
-        self._releasing.clear()
-        self._usable_at.clear()
-        self._notify()
-
-    def _lock(self) -> anyio.Lock:
-        if self._io is None:
-            self._io = anyio.Lock()
-        return self._io
-
-    def _drop(self) -> None:
-        """Gives the session up: every lock is lost here now, and PostgreSQL
-        releases them when the socket closes (or the keepalives expire)."""
-        conn, self._conn = self._conn, None
-        self._forget()
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.terminate()
-
-    # -- the session ------------------------------------------------------------
-
-    async def connect(self) -> None:
-        await self.close()
-        lease = self.lease_seconds
-        settings = {
-            "application_name": LEADER_APPLICATION_NAME,
-            # A cut network ends the session server-side after 2 * lease of
-            # silence: later than this side stops trusting it (1 * lease).
-            "tcp_keepalives_idle": str(max(1, math.ceil(lease))),
-            "tcp_keepalives_interval": "1",
-            "tcp_keepalives_count": str(max(1, math.ceil(lease))),
-            "tcp_user_timeout": str(math.ceil(2000 * lease)),
-        }
-        sent = self.clock.monotonic()
-        with translate_errors():
-            conn = await asyncpg.connect(self.dsn, timeout=10, server_settings=settings)
-        self._conn = conn
-        self._confirmed_at = sent
-        conn.add_termination_listener(self._on_terminated)
-
-    def _on_terminated(self, conn: Conn) -> None:
-        if conn is self._conn:
-            self._forget()
-
-    async def close(self) -> None:
-        conn, self._conn = self._conn, None
-        self._forget()
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                await conn.close(timeout=2)
-
-    async def _query(self, sql: str, *args: Any) -> Any:
-        """One statement on the lock session, serialised, bounded in time and
-        shielded (a cancelled query must not disturb the session); a session
-        that does not answer in time is given up."""
-        conn = self._conn
-        if conn is None:
-            raise LedgerUnavailable("the leadership session is not connected")
-        try:
-            with anyio.CancelScope(shield=True):
-                return await conn.fetchval(sql, *args, timeout=self.probe_timeout_seconds)
-        except (
-            asyncpg.InterfaceError,
-            asyncpg.InternalClientError,
-            OSError,
-            TimeoutError,
-            asyncpg.PostgresError,
-        ) as exc:
-            if conn is self._conn:
-                self._drop()
-            raise LedgerUnavailable(f"the leadership session failed: {exc}") from exc
-
-    async def alive(self, *, timeout_seconds: float | None = None) -> bool:
-        """Checks the lock session answers and renews the lease; on failure,
-        drops every lock (and the session)."""
-        conn = self._conn
-        if conn is None or conn.is_closed():
-            if self._held:
-                self._forget()
-            return False
-        async with self._lock():
-            if conn is not self._conn:
-                return self._conn is not None
-            sent = self.clock.monotonic()
-            try:
-                await self._query("SELECT 1")
-            except LedgerUnavailable:
-                return False
-            self._confirmed_at = max(self._confirmed_at, sent)
-        return True
-
-    async def renew(self) -> bool:
-        """Renews the lease unless a probe did so recently."""
-        if self.clock.monotonic() - self._confirmed_at < self.lease_seconds / 4:
-            return self._session_ok()
-        return await self.alive()
-
-    async def wait_lost(self, name: str) -> None:
-        """Returns once the lock of ``name`` may no longer be ours (the session
-        ended, or its lease lapsed); renews the lease meanwhile. A handover
-        does not count: it ends between ticks (see ``begin_release``)."""
-        while self.has_lock(name):
-            now = self.clock.monotonic()
-            renew_at = self._confirmed_at + self.lease_seconds / 4
-            if now >= renew_at:
-                with anyio.move_on_after(max(0.0, self._confirmed_at + self.lease_seconds - now)):
-                    await self.renew()
-                continue
-            changed = self.changed()
-            with anyio.move_on_after(renew_at - now):
-                await changed.wait()
-
-    # -- locks ---------------------------------------------------------------------
-
-    async def try_acquire(self, name: str, *, settle_seconds: float = 0.0) -> bool:
-        """Takes the lock of ``name`` if free; the new leader may admit after
-        ``settle_seconds`` (``usable_at``)."""
-        if name in self._held:
-            return self.holds(name)
-        if self._conn is None:
-            return False
-        async with self._lock():
-            sent = self.clock.monotonic()
-            got = bool(
-                await self._query(
-                    "SELECT pg_try_advisory_lock($1, hashtext($2))", LEADER_NAMESPACE, name
-                )
-            )
-            self._confirmed_at = max(self._confirmed_at, sent)
-        if got:
-            self._held.add(name)
-            self._usable_at[name] = self.clock.monotonic() + settle_seconds
-            self._notify()
-        return got
-
-    def begin_release(self, name: str) -> None:
-        """Stops leading ``name`` but keeps its lock until ``release()``."""
-        if name in self._held:
-            self._releasing.add(name)
-            self._notify()
-
-    async def release(self, name: str) -> None:
-        """Unlocks ``name`` (this side forgets it first). If the unlock fails,
-        the whole session is given up so the lock cannot linger."""
-        self._releasing.discard(name)
-        self._usable_at.pop(name, None)
-        if name not in self._held:
-            return
-        self._held.discard(name)
-        self._notify()
-        if self._conn is None:
-            return
-        async with self._lock():
-            await self._query("SELECT pg_advisory_unlock($1, hashtext($2))", LEADER_NAMESPACE, name)
-
-    async def count_instances(self) -> int:
-        """Live pacerd instances on this ledger: leadership sessions connected
-        to this database (other databases of the cluster do not count)."""
-        if self._conn is None:
-            return 1
-        async with self._lock():
-            n = await self._query(
-                "SELECT count(*) FROM pg_stat_activity"
-                " WHERE application_name = $1 AND datname = current_database()",
-                LEADER_APPLICATION_NAME,
-            )
-        return max(1, int(n or 0))

@@ -48,6 +48,18 @@ class JobRef:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ClaimRequest:
+    """What a tick claims for one destination (one statement serves many)."""
+
+    destination: str
+    live_limit: int
+    limit: int
+    claim_seconds: float
+    epoch: int
+    live_window_seconds: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ClaimedJob:
     """A job claimed by a tick, ready to publish. JSON fields stay encoded."""
 
@@ -118,6 +130,11 @@ class DestinationRow:
         if self.cooldown_until is None:
             return 0.0
         return max(0.0, (self.cooldown_until - self.now).total_seconds())
+
+    @property
+    def closed(self) -> bool:
+        """Paused, or in a Retry-After cool-down: nothing may be released."""
+        return self.effectively_paused or self.cooldown_remaining_seconds > 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

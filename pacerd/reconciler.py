@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
     from pacerd.clock import Clock
     from pacerd.ledger import Ledger
+    from pacerd.telemetry import Telemetry
 
 log = structlog.get_logger("pacerd.reconciler")
 
@@ -57,11 +58,15 @@ class Reconciler:
         clock: Clock,
         config: ReconcilerConfig,
         on_result: Callable[[ReconcileResult], None] | None = None,
+        telemetry: Telemetry | None = None,
+        should_run: Callable[[], bool] = lambda: True,
     ) -> None:
         self.ledger = ledger
         self.clock = clock
         self.config = config
         self.on_result = on_result
+        self.telemetry = telemetry
+        self.should_run = should_run  # e.g. only on the instance holding the reconciler's lock
 
     async def run_once(self) -> ReconcileResult:
         """Reclaims expired leases in batches until a batch comes back short."""
@@ -100,13 +105,21 @@ class Reconciler:
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
+        """A pass every ``interval_seconds`` (when ``should_run``), in a
+        ``reconcile`` span; a failed pass is logged and the next one runs."""
         task_status.started()
         deadline = self.clock.monotonic()
         while True:
             deadline += self.config.interval_seconds
             await self.clock.sleep_until(deadline)
+            if not self.should_run():
+                continue
             try:
-                await self.run_once()
+                if self.telemetry is None:
+                    await self.run_once()
+                else:
+                    with self.telemetry.reconcile_span():
+                        await self.run_once()
             except PacerdError as exc:
                 log.warning("reconcile_failed", error=str(exc))
             now = self.clock.monotonic()

@@ -36,7 +36,7 @@ PRODUCER_FUNCTIONS = ("schedule", "cancel", "is_current")
 WORKER_FUNCTIONS = ("report", "is_current")
 OPERATOR_FUNCTIONS = (*PRODUCER_FUNCTIONS, "replay", "pause", "resume")
 # What `pacerd status`, `show` and `dead` read.
-OPERATOR_TABLES = ("jobs", "job_events", "destinations", "control")
+OPERATOR_TABLES = ("jobs", "job_events", "destinations", "control", "partitions")
 # Every role may read which migrations are applied: a client tells an
 # unmigrated ledger (its own exit status) from a refusal.
 EVERY_ROLE_TABLES = ("migrations",)

@@ -15,73 +15,102 @@
 -- progress on that row it holds nothing they could wait for, so it joins no cycle.
 
 -- name: claim_due
--- Claims up to $3 due jobs of destination $1, oldest first, $2 of them reserved for the live lane; sets the claim lease.
-WITH dest AS MATERIALIZED (
-    -- the destination's row as last committed: FOR SHARE waits for a report or
-    -- pause in progress on it, so one that began before this claim is seen
-    SELECT d.paused, d.cooldown_until FROM pacerd.destinations d
-    WHERE d.destination = $1
+-- The claim of a tick for every destination it admits ($1, one entry each): up to $3 due jobs each, oldest first, $2 of them reserved for the live lane; sets the claim lease.
+WITH b AS (
+    -- one statement whatever the number of destinations: the arrays are
+    -- unnested and each destination's jobs are taken by a LATERAL range
+    -- scan; the destination rows are taken FOR SHARE first, in name order
+    -- (see the header), before any job
+    SELECT * FROM unnest($1::text[], $2::int[], $3::int[], $4::double precision[],
+                         $5::bigint[], $6::double precision[])
+        AS b(destination, live_limit, lim, claim_seconds, epoch, live_window)
+), dest AS MATERIALIZED (
+    -- the destinations' rows as last committed: FOR SHARE waits for a report
+    -- or pause in progress on one, so one that began before this claim is seen
+    SELECT d.destination, d.paused, d.cooldown_until FROM pacerd.destinations d
+    WHERE d.destination = ANY ($1::text[])
+    ORDER BY d.destination
     FOR SHARE OF d
-), closed AS (
-    -- paused, or in a Retry-After cool-down: checked here too, so that a tick
-    -- that read the destination open claims nothing once a pause or a
+), open AS (
+    -- neither paused nor in a Retry-After cool-down: checked here too, so that
+    -- a tick that read a destination open claims nothing once a pause or a
     -- refusal has committed
-    SELECT 1 FROM dest d, pacerd.control c
-    WHERE d.paused OR c.paused_all OR d.cooldown_until > coalesce($7::timestamptz, now())
+    SELECT b.* FROM b CROSS JOIN pacerd.control c LEFT JOIN dest d ON d.destination = b.destination
+    WHERE NOT (c.paused_all OR coalesce(d.paused, false)
+               OR coalesce(d.cooldown_until > coalesce($7::timestamptz, now()), false))
 ), live AS (
-    SELECT j.job_id, j.next_attempt_at
-    FROM pacerd.jobs j
-    WHERE j.destination = $1 AND j.state = 'scheduled' AND NOT EXISTS (SELECT 1 FROM closed)
-      AND j.next_attempt_at <= coalesce($7::timestamptz, now())
-      AND j.next_attempt_at > coalesce($7::timestamptz, now()) - make_interval(secs => $6)
-      AND NOT j.ever_offered
-    ORDER BY j.next_attempt_at
-    LIMIT $3
-    FOR UPDATE OF j SKIP LOCKED
+    SELECT o.destination, x.job_id, x.next_attempt_at
+    FROM open o, LATERAL (
+        SELECT j.job_id, j.next_attempt_at
+        FROM pacerd.jobs j
+        WHERE j.destination = o.destination AND j.state = 'scheduled'
+          AND j.next_attempt_at <= coalesce($7::timestamptz, now())
+          AND j.next_attempt_at > coalesce($7::timestamptz, now())
+                                  - make_interval(secs => o.live_window)
+          AND NOT j.ever_offered
+        ORDER BY j.next_attempt_at
+        LIMIT o.lim
+        FOR UPDATE OF j SKIP LOCKED
+    ) x
 ), backlog AS (
-    SELECT j.job_id, j.next_attempt_at
-    FROM pacerd.jobs j
-    WHERE j.destination = $1 AND j.state = 'scheduled' AND NOT EXISTS (SELECT 1 FROM closed)
-      AND j.next_attempt_at <= coalesce($7::timestamptz, now())
-      AND (j.ever_offered
-           OR j.next_attempt_at <= coalesce($7::timestamptz, now()) - make_interval(secs => $6))
-    ORDER BY j.next_attempt_at
-    LIMIT $3
-    FOR UPDATE OF j SKIP LOCKED
+    SELECT o.destination, x.job_id, x.next_attempt_at
+    FROM open o, LATERAL (
+        SELECT j.job_id, j.next_attempt_at
+        FROM pacerd.jobs j
+        WHERE j.destination = o.destination AND j.state = 'scheduled'
+          AND j.next_attempt_at <= coalesce($7::timestamptz, now())
+          AND (j.ever_offered
+               OR j.next_attempt_at <= coalesce($7::timestamptz, now())
+                                       - make_interval(secs => o.live_window))
+        ORDER BY j.next_attempt_at
+        LIMIT o.lim
+        FOR UPDATE OF j SKIP LOCKED
+    ) x
 ), shares AS (
-    SELECT least((SELECT count(*) FROM live),
-                 greatest($2::bigint, $3::bigint - (SELECT count(*) FROM backlog))) AS n_live
+    SELECT o.destination, o.lim, o.claim_seconds, o.epoch,
+           least((SELECT count(*) FROM live l WHERE l.destination = o.destination),
+                 greatest(o.live_limit::bigint,
+                          o.lim::bigint - (SELECT count(*) FROM backlog k
+                                           WHERE k.destination = o.destination))) AS n_live
+    FROM open o
 ), picked AS (
-    SELECT l.job_id, true AS live FROM (
-        SELECT job_id, row_number() OVER (ORDER BY next_attempt_at, job_id) AS rn FROM live
-    ) l, shares s WHERE l.rn <= s.n_live
+    SELECT l.job_id, true AS live, s.claim_seconds, s.epoch FROM (
+        SELECT x.destination, x.job_id,
+               row_number() OVER (PARTITION BY x.destination
+                                  ORDER BY x.next_attempt_at, x.job_id) AS rn
+        FROM live x
+    ) l JOIN shares s ON s.destination = l.destination WHERE l.rn <= s.n_live
     UNION ALL
-    SELECT b.job_id, false AS live FROM (
-        SELECT job_id, row_number() OVER (ORDER BY next_attempt_at, job_id) AS rn FROM backlog
-    ) b, shares s WHERE b.rn <= $3::bigint - s.n_live
+    SELECT k.job_id, false AS live, s.claim_seconds, s.epoch FROM (
+        SELECT x.destination, x.job_id,
+               row_number() OVER (PARTITION BY x.destination
+                                  ORDER BY x.next_attempt_at, x.job_id) AS rn
+        FROM backlog x
+    ) k JOIN shares s ON s.destination = k.destination WHERE k.rn <= s.lim::bigint - s.n_live
 ), claimed AS (
     UPDATE pacerd.jobs j SET
         state = 'claimed',
         attempt = j.attempt + 1,
-        lease_expires_at = coalesce($7::timestamptz, now()) + make_interval(secs => $4),
-        admit_epoch = $5,
+        lease_expires_at = coalesce($7::timestamptz, now())
+                           + make_interval(secs => picked.claim_seconds),
+        admit_epoch = picked.epoch,
         claimed_by = $8,
         updated_at = coalesce($7::timestamptz, now())
     FROM picked
     WHERE j.job_id = ANY (ARRAY(SELECT job_id FROM picked)) AND j.job_id = picked.job_id
     RETURNING j.job_id, j.kind, j.destination, j.attempt, j.revision, j.payload, j.cursor,
-              j.next_attempt_at, picked.live
+              j.next_attempt_at, picked.live, picked.epoch
 ), events AS (
     INSERT INTO pacerd.job_events (job_id, attempt, event, at, detail)
     SELECT c.job_id, c.attempt, 'claimed', coalesce($7::timestamptz, now()),
            jsonb_build_object('lane', CASE WHEN c.live THEN 'live' ELSE 'backlog' END,
-                              'by', $8::text, 'epoch', $5::bigint)
+                              'by', $8::text, 'epoch', c.epoch)
     FROM claimed c
 )
 SELECT job_id, kind, destination, attempt, revision, payload::text AS payload,
        cursor::text AS cursor, next_attempt_at, live
 FROM claimed
-ORDER BY next_attempt_at, job_id;
+ORDER BY destination, next_attempt_at, job_id;
 
 -- name: mark_offered
 -- Marks confirmed publishes offered (fenced by state and attempt) and sets the offer lease.
@@ -181,10 +210,11 @@ WITH expired AS (
 SELECT job_id, attempt, destination, previous_state, state FROM reclaimed;
 
 -- name: count_inflight
--- Counts claimed and offered jobs of one destination (bounded by max_inflight).
-SELECT count(*) AS inflight
-FROM pacerd.jobs
-WHERE destination = $1 AND state IN ('claimed', 'offered');
+-- Counts the claimed and offered jobs of each destination of $1 (each bounded by its max_inflight).
+SELECT j.destination, count(*) AS inflight
+FROM pacerd.jobs j
+WHERE j.destination = ANY ($1::text[]) AND j.state IN ('claimed', 'offered')
+GROUP BY j.destination;
 
 -- name: oldest_due
 -- The next_attempt_at of the oldest due job of one destination (an index lookup).
@@ -206,19 +236,65 @@ SELECT count(*) AS n FROM (
 -- Every destination the ledger knows, with its shared state and counters.
 SELECT d.destination, d.paused, c.paused_all, d.cooldown_until, d.epoch,
        d.pacer_state::text AS pacer_state, d.n_accepted, d.n_refused, d.n_accepted_fresh,
-       d.n_refused_fresh, d.n_retry_after, d.leader, d.leader_since,
+       d.n_refused_fresh, d.n_retry_after, p.leader, p.leader_since,
        coalesce($1::timestamptz, now()) AS now
-FROM pacerd.destinations d, pacerd.control c
+FROM pacerd.destinations d CROSS JOIN pacerd.control c
+LEFT JOIN pacerd.partitions p ON p.partition = d.partition
 ORDER BY d.destination;
 
 -- name: read_destination
--- One destination's shared state and outcome counters, read at the top of a tick.
+-- The shared state and outcome counters of each destination of $1, read at the top of a tick and before release slices.
 SELECT d.destination, d.paused, c.paused_all, d.cooldown_until, d.epoch,
        d.pacer_state::text AS pacer_state, d.n_accepted, d.n_refused, d.n_accepted_fresh,
-       d.n_refused_fresh, d.n_retry_after, d.leader, d.leader_since,
+       d.n_refused_fresh, d.n_retry_after, p.leader, p.leader_since,
        coalesce($2::timestamptz, now()) AS now
-FROM pacerd.destinations d, pacerd.control c
-WHERE d.destination = $1;
+FROM pacerd.destinations d CROSS JOIN pacerd.control c
+LEFT JOIN pacerd.partitions p ON p.partition = d.partition
+WHERE d.destination = ANY ($1::text[]);
+
+-- name: wake_destinations
+-- The destinations of the partitions $1 that need their leader by $2 plus $3 seconds: active ones and those whose work came due (one index scan of wake_at).
+SELECT d.destination, d.partition
+FROM pacerd.destinations d
+WHERE d.wake_at <= coalesce($2::timestamptz, now()) + make_interval(secs => $3)
+  AND d.partition = ANY ($1::int[]);
+
+-- name: closed_destinations
+-- The destinations paused or in a Retry-After cool-down now, and "*" when every destination is paused (small index scans).
+SELECT d.destination FROM pacerd.destinations d WHERE d.paused
+UNION
+SELECT d.destination FROM pacerd.destinations d
+WHERE d.cooldown_until > coalesce($1::timestamptz, now())
+UNION
+SELECT '*' FROM pacerd.control c WHERE c.paused_all;
+
+-- name: lock_parking
+-- Locks the destinations of $1 (name order) before parking them (see park_destinations).
+SELECT d.destination FROM pacerd.destinations d
+WHERE d.destination = ANY ($1::text[])
+ORDER BY d.destination
+FOR UPDATE OF d;
+
+-- name: park_destinations
+-- Parks the destinations of $1 that have nothing due and nothing in flight and are not in a cool-down: wake_at becomes their next job's time, or NULL; returns the parked ones.
+WITH next AS (
+    -- run after lock_parking, in its transaction: this statement's snapshot
+    -- sees every job scheduled before the lock was taken
+    SELECT d.destination,
+           (SELECT min(j.next_attempt_at) FROM pacerd.jobs j
+             WHERE j.destination = d.destination AND j.state = 'scheduled') AS next_at,
+           EXISTS (SELECT 1 FROM pacerd.jobs j
+                    WHERE j.destination = d.destination
+                      AND j.state IN ('claimed', 'offered')) AS busy
+    FROM pacerd.destinations d
+    WHERE d.destination = ANY ($1::text[])
+      AND coalesce(d.cooldown_until <= coalesce($2::timestamptz, now()), true)
+)
+UPDATE pacerd.destinations d SET wake_at = n.next_at
+FROM next n
+WHERE d.destination = n.destination AND NOT n.busy
+  AND (n.next_at IS NULL OR n.next_at > coalesce($2::timestamptz, now()))
+RETURNING d.destination;
 
 -- name: ensure_destination
 -- Registers a destination (from the config) so that it is declared and led.
@@ -226,23 +302,37 @@ INSERT INTO pacerd.destinations (destination) VALUES ($1)
 ON CONFLICT DO NOTHING;
 
 -- name: save_pacer_state
--- Persists the pacer of one destination every tick; $3 is the epoch (bumped at each cut).
-UPDATE pacerd.destinations SET
-    pacer_state = $2::jsonb,
-    epoch = greatest(epoch, $3),
+-- Persists the pacers of the destinations of $1 ($2 their states, $3 their epochs, bumped at each cut), in name order.
+WITH s AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[]) AS s(destination, state, epoch)
+), locked AS MATERIALIZED (
+    SELECT d.destination FROM pacerd.destinations d
+    WHERE d.destination = ANY ($1::text[])
+    ORDER BY d.destination
+    FOR NO KEY UPDATE OF d
+)
+UPDATE pacerd.destinations d SET
+    pacer_state = s.state::jsonb,
+    epoch = greatest(d.epoch, s.epoch),
     updated_at = coalesce($4::timestamptz, now())
-WHERE destination = $1;
+FROM s
+WHERE d.destination = ANY (ARRAY(SELECT destination FROM locked)) AND d.destination = s.destination;
 
 -- name: set_leader
--- Records which instance leads a destination, and since when (for status).
-UPDATE pacerd.destinations SET
-    leader = $2,
-    leader_since = CASE WHEN leader IS DISTINCT FROM $2 THEN coalesce($3::timestamptz, now())
-                        ELSE leader_since END
-WHERE destination = $1;
+-- Records which instance leads partition $1, and since when (for status); NULL: none.
+INSERT INTO pacerd.partitions AS p (partition, leader, leader_since)
+VALUES ($1, $2, CASE WHEN $2::text IS NULL THEN NULL ELSE coalesce($3::timestamptz, now()) END)
+ON CONFLICT (partition) DO UPDATE SET
+    leader = excluded.leader,
+    leader_since = CASE WHEN p.leader IS DISTINCT FROM excluded.leader THEN excluded.leader_since
+                        ELSE p.leader_since END;
+
+-- name: read_partitions
+-- The number of partitions the ledger's destinations hash into (set by pacerd migrate).
+SELECT (value #>> '{}')::integer AS partitions FROM pacerd.settings WHERE key = 'partitions';
 
 -- name: due_summary
--- Per destination: due count, oldest due, in flight and dead, for status and metrics (it counts: a slower cadence).
+-- Per destination (or per woken one, $2): due count, oldest due, in flight and dead, for status and metrics (it counts: a slower cadence).
 SELECT d.destination,
        (SELECT count(*) FROM pacerd.jobs j
          WHERE j.destination = d.destination AND j.state = 'scheduled'
@@ -255,6 +345,9 @@ SELECT d.destination,
        (SELECT count(*) FROM pacerd.jobs j
          WHERE j.destination = d.destination AND j.state = 'dead') AS dead
 FROM pacerd.destinations d
+-- $2: only the woken ones (the daemon's metrics: a parked destination's
+-- figures do not change while it is parked); status reads them all
+WHERE $2::boolean IS NOT TRUE OR d.wake_at <= coalesce($1::timestamptz, now())
 ORDER BY d.destination;
 
 -- name: write_settings
@@ -287,3 +380,28 @@ SELECT count(*) AS n FROM (
     ORDER BY d.destination
     FOR UPDATE OF d
 ) s;
+
+-- name: set_partitions
+-- Sets how many partitions destinations hash into ($1), places every destination again and forgets the leaders.
+WITH setting AS (
+    INSERT INTO pacerd.settings (key, value, updated_at) VALUES ('partitions', to_jsonb($1::int), now())
+    ON CONFLICT (key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at
+), placed AS (
+    UPDATE pacerd.destinations SET partition = pacerd._partition_of(destination, $1::int)
+), forgotten AS (
+    DELETE FROM pacerd.partitions
+)
+SELECT 1;
+
+-- name: count_instances
+-- Live pacerd instances on this ledger: leadership sessions ($1 their application_name) connected to this database.
+SELECT count(*) FROM pg_stat_activity
+WHERE application_name = $1 AND datname = current_database();
+
+-- name: try_acquire
+-- Takes the leadership lock of one name (a partition, or the reconciler) on the lock session, if free.
+SELECT pg_try_advisory_lock($1, hashtext($2));
+
+-- name: release
+-- Releases the leadership lock of one name on the lock session.
+SELECT pg_advisory_unlock($1, hashtext($2));

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterable, Sequence
     from pathlib import Path
 
-LEADER_NAMESPACE = 0x70616365  # pacerd.ledger.LEADER_NAMESPACE
+LEADER_NAMESPACE = 0x70616365  # pacerd.leadership.LEADER_NAMESPACE
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -15,7 +15,7 @@ from support.proxy import FaultProxy
 from support.services import with_port
 
 from pacerd.clock import SystemClock
-from pacerd.ledger import LeaderLocks
+from pacerd.leadership import LeaderLocks
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator

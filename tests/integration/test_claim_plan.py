@@ -37,11 +37,15 @@ NOW = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
 
 # statement -> (arguments, the indexes its scans of pacerd.jobs may use)
 STATEMENTS: dict[str, tuple[tuple[object, ...], set[str]]] = {
-    # destination, live_limit, limit, claim_seconds, epoch, live_window_seconds, now, instance
-    "claim_due": (("d", 100, BATCH, 30.0, 1, 60.0, NOW, "plan"), {"jobs_due_idx", "jobs_pkey"}),
+    # per destination: name, live_limit, limit, claim_seconds, epoch, live_window_seconds;
+    # then now, instance
+    "claim_due": (
+        (["d"], [100], [BATCH], [30.0], [1], [60.0], NOW, "plan"),
+        {"jobs_due_idx", "jobs_pkey"},
+    ),
     "oldest_due": (("d", NOW), {"jobs_due_idx"}),
     "has_due": (("d", BATCH, NOW), {"jobs_due_idx"}),
-    "count_inflight": (("d",), {"jobs_inflight_idx"}),
+    "count_inflight": ((["d"],), {"jobs_inflight_idx"}),
     "reclaim_expired": ((NOW, BATCH), {"jobs_lease_idx", "jobs_pkey"}),
 }
 # Scans that find the work: what they touch must not depend on the backlog.

@@ -23,6 +23,7 @@ from pacerd.exitcodes import (
     EX_OK,
     EX_UNAVAILABLE,
     EX_UNKNOWN_JOB,
+    EX_USAGE,
 )
 from pacerd.ledger import Ledger, migration_files
 
@@ -73,7 +74,45 @@ async def test_migrate_on_an_empty_database_then_again(empty_db_dsn: str) -> Non
     again = pacerd(empty_db_dsn, "migrate")
     assert again.returncode == 0
     assert again.stdout.strip() == "ledger schema is up to date"
-    assert json.loads(pacerd(empty_db_dsn, "migrate", "--json").stdout) == {"applied": []}
+    assert json.loads(pacerd(empty_db_dsn, "migrate", "--json").stdout) == {
+        "applied": [],
+        "partitions": 64,
+    }
+
+
+async def test_migrate_sets_the_partitions_only_while_no_instance_runs(empty_db_dsn: str) -> None:
+    first = pacerd(empty_db_dsn, "migrate", "--json", "--partitions", "8")
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout)["partitions"] == 8
+    kept = pacerd(empty_db_dsn, "migrate", "--json")
+    assert json.loads(kept.stdout)["partitions"] == 8
+    for bad in ("0", "4097", "-3"):
+        refused = pacerd(empty_db_dsn, "migrate", "--partitions", bad)
+        assert refused.returncode == EX_USAGE, (bad, refused.stderr)
+        assert "--partitions must be between 1 and 4096" in refused.stderr
+    conn = await asyncpg.connect(empty_db_dsn)
+    try:
+        await conn.fetchval("SELECT pacerd.schedule('j1', 'k', 'tenant-7', '{}'::jsonb)")
+        placed = "SELECT partition = pacerd._partition_of(destination, $1) FROM pacerd.destinations"
+        assert await conn.fetchval(placed, 8)
+        # an instance's leadership session is connected: the number stays
+        leader = await asyncpg.connect(
+            empty_db_dsn, server_settings={"application_name": "pacerd:leader"}
+        )
+        try:
+            busy = pacerd(empty_db_dsn, "migrate", "--partitions", "16")
+        finally:
+            await leader.close()
+        assert busy.returncode == EX_FAILURE
+        assert "partitions stay 8: 1 pacerd instance(s) run on it" in busy.stderr
+        assert await conn.fetchval(placed, 8)
+        # none runs: every destination is placed again
+        moved = pacerd(empty_db_dsn, "migrate", "--json", "--partitions", "16")
+        assert moved.returncode == 0, moved.stderr
+        assert json.loads(moved.stdout)["partitions"] == 16
+        assert await conn.fetchval(placed, 16)
+    finally:
+        await conn.close()
 
 
 async def test_check_config(db_dsn: str, tmp_path: Path) -> None:

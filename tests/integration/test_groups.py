@@ -29,8 +29,6 @@ from pacerd.worker import Worker, WorkerApp
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from anyio.abc import TaskGroup
-
     from pacerd.daemon import Daemon
     from pacerd.protocol import Job
 
@@ -99,7 +97,9 @@ async def test_a_group_shares_one_queue_routed_by_its_name(db_dsn: str, amqp_url
             assert await peek(amqp_url, shared, 36) == {(group, m): 12 for m in members}
             assert await peek(amqp_url, f"pacerd.ready.{solo}", 6) == {(solo, solo): 6}
 
-            params = {m: daemon._admissions[m].config.params for m in members}
+            assert daemon.tickloop is not None
+            active = daemon.tickloop.active  # the members are in flight: active
+            params = {m: active[m].admission.config.params for m in members}
             assert [(p.initial_rate, p.max_rate) for p in params.values()] == [
                 (5.0, 5.0),
                 (5.0, 5.0),
@@ -160,19 +160,15 @@ async def test_queues_are_declared_once_per_broker_connection(db_dsn: str, amqp_
     cfg = daemon_config(db_dsn, amqp_url, **group_overrides(group, prefix))
     try:
         async with running_daemon(cfg) as (daemon, _ticks):
-            count = 0
-            original = daemon._supervise_destinations
+            assert daemon.tickloop is not None
+            loop = daemon.tickloop
 
-            async def counted(tg: TaskGroup) -> list[str]:
-                nonlocal count
-                names = await original(tg)
-                count += 1
-                return names
+            def passes() -> int:
+                return loop.passes
 
-            daemon._supervise_destinations = counted  # type: ignore[method-assign]
-            # the first pass ran before READY: the group's queue and solo's
+            # declared before READY: the group's queue and solo's
             assert daemon.broker.declarations == 2
-            await wait_passes(daemon, lambda: count, 5)
+            await wait_passes(daemon, passes, 5)
             assert daemon.broker.declarations == 2
 
             # a new grouped destination uses the declared queue; a new ungrouped one has its own
@@ -181,9 +177,9 @@ async def test_queues_are_declared_once_per_broker_connection(db_dsn: str, amqp_
                     db_dsn, destination, 1, prefix=destination, eligible_in_seconds=3600
                 )
             with anyio.fail_after(30):
-                while not {f"{prefix}-d", later} <= daemon._admissions.keys():
+                while daemon.broker.declarations < 3:
                     await anyio.sleep(0.05)
-            await wait_passes(daemon, lambda: count, 3)
+            await wait_passes(daemon, passes, 3)
             assert daemon.broker.declarations == 3
             assert await queue_depth(amqp_url, f"pacerd.ready.{later}") == 0
             assert await queue_depth(amqp_url, f"pacerd.ready.{prefix}-d") is None
@@ -191,20 +187,28 @@ async def test_queues_are_declared_once_per_broker_connection(db_dsn: str, amqp_
             # named like the group but outside its match: it would share the
             # group's routing key, so it is not admitted
             await schedule_many(db_dsn, group, 1, prefix=group)
-            await wait_passes(daemon, lambda: count, 3)
-            assert group not in daemon._admissions
+            await wait_passes(daemon, passes, 3)
+            assert group in daemon._shadows
+            assert group not in loop.active
             assert await queue_depth(amqp_url, f"pacerd.ready.{group}") == 0
             assert daemon.broker.declarations == 3
 
-            # a new connection declares each queue again, once
+            # a new connection declares the group's queue again at once, and a
+            # destination's own queue again when it next has work, once
             cut = await anyio.to_thread.run_sync(
                 close_broker_connections, f"pacerd {daemon.instance}"
             )
             assert cut == 1
             with anyio.fail_after(30):
-                while daemon.broker.declarations < 6:
+                while daemon.broker.declarations < 4:
                     await anyio.sleep(0.05)
-            await wait_passes(daemon, lambda: count, 3)
-            assert daemon.broker.declarations == 6
+            await wait_passes(daemon, passes, 3)
+            assert daemon.broker.declarations == 4
+            await schedule_many(db_dsn, later, 1, prefix=f"{later}-now")
+            with anyio.fail_after(30):
+                while daemon.broker.declarations < 5:
+                    await anyio.sleep(0.05)
+            await wait_passes(daemon, passes, 3)
+            assert daemon.broker.declarations == 5
     finally:
         await delete_queues(amqp_url, queues)

@@ -566,12 +566,12 @@ class LedgerMachine(RuleBasedStateMachine):
             try:
                 rows = await self.h.conn.fetch(
                     sql,
-                    destination,
-                    0,
-                    1000,
-                    CLAIM_SECONDS,
-                    0,
-                    LIVE_WINDOW_SECONDS,
+                    [destination],
+                    [0],
+                    [1000],
+                    [CLAIM_SECONDS],
+                    [0],
+                    [LIVE_WINDOW_SECONDS],
                     self.now,
                     "probe",
                 )

@@ -130,6 +130,10 @@ class SimAdmissionLedger:
             now=EPOCH_AT + dt.timedelta(seconds=t),
         )
 
+    async def is_closed(self, destination: str) -> bool:
+        row = await self.read_destination(destination)
+        return row is not None and row.closed
+
     async def count_inflight(self, destination: str) -> int:
         return self.ledger.inflight
 

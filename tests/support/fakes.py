@@ -190,6 +190,10 @@ class FakeLedger:
             n_retry_after=n["retry_after"], leader=None, leader_since=None, now=self.clock.now(),
         )  # fmt: skip
 
+    async def is_closed(self, destination: str) -> bool:
+        row = await self.read_destination(destination)
+        return row is not None and row.closed
+
     async def count_inflight(self, destination: str) -> int:
         await self._io()
         return sum(job.destination == destination and _inflight(job) for job in self._jobs.values())

@@ -225,5 +225,6 @@ async def test_daemon_without_broker_or_ledger_is_live_but_not_ready() -> None:
     assert (live, not_ready) == (200, 503)
     assert json.loads(body)["checks"]["readiness"] == {
         "ok": False, "detail": "", "broker": False, "ledger": False, "leading": [],
+        "partitions": [],
     }  # fmt: skip
     assert json.loads(with_error)["checks"]["readiness"]["ledger_error"] == "connection refused"

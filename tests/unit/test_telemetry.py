@@ -43,9 +43,9 @@ from pacerd import __version__
 from pacerd import telemetry as tm
 from pacerd.admission import TickResult, rejection_reason
 from pacerd.clock import ManualClock
-from pacerd.daemon import TelemetryObserver
 from pacerd.errors import PublishRejected
 from pacerd.models import ClaimedJob
+from pacerd.observer import TelemetryObserver
 from pacerd.publisher import _outcome as publisher_outcome
 from pacerd.publisher import translate_errors
 from pacerd.telemetry import (

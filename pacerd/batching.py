@@ -1,0 +1,319 @@
+"""One statement for many destinations: the ledger as the tick loop shares it.
+
+Every destination this instance leads runs its tick on one schedule (the
+tick loop anchors them all to the same instants), so their reads, in-flight
+counts, claims, marks and saves are asked for together. ``SharedLedger``
+serves each kind of request through a ``Coalescer``: the calls made while
+the event loop runs its ready tasks (and, for the requests that are not on
+a release's critical path, within a few milliseconds more) become one
+statement whose rows are handed back to each caller. The number of
+statements a tick costs therefore does not grow with the number of
+destinations. The release slices' closed checks are served from one small
+snapshot (paused or cooling-down destinations), re-read at most every
+``CLOSED_CHECK_SECONDS``.
+
+It implements ``admission.AdmissionLedger``: the tick code is the same over
+this, over the plain ``Ledger`` and over the simulation's fakes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import anyio
+import anyio.lowlevel
+import structlog
+
+from pacerd.admission import CLOSED_CHECK_SECONDS
+from pacerd.errors import LedgerError
+from pacerd.models import ClaimRequest
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable, Mapping, Sequence
+
+    from pacerd.clock import Clock
+    from pacerd.ledger import Ledger
+    from pacerd.models import ClaimedJob, DestinationRow, JobRef
+
+log = structlog.get_logger("pacerd.batching")
+
+_K = TypeVar("_K")
+_R = TypeVar("_R")
+
+# Yield rounds a batch waits, at most, for more callers to join it: the ticks
+# released by one timer all ask within a round or two.
+MAX_ROUNDS = 8
+# How long a batch of marks, releases or saves waits for more (they are off
+# the release schedule: a few milliseconds later changes nothing).
+LAZY_WINDOW_SECONDS = 0.01
+
+
+@dataclass(slots=True)
+class _Batch(Generic[_K, _R]):
+    keys: list[_K] = field(default_factory=list)
+    done: anyio.Event = field(default_factory=anyio.Event)
+    results: list[_R] | None = None
+    error: BaseException | None = None
+
+
+class Coalescer(Generic[_K, _R]):
+    """Calls ``run(keys)`` once for every key asked for together; each
+    caller gets its own result (``run`` returns one per key, in order).
+
+    The first caller of a batch runs it: it yields while others keep
+    joining (up to ``MAX_ROUNDS`` rounds, then ``window_seconds`` more),
+    then runs the statement shielded, so that a caller cancelled meanwhile
+    (its leadership lost) does not fail the others. ``on_abandoned`` gets
+    the result of a caller that was cancelled while it waited (a claim's
+    jobs, to be released)."""
+
+    def __init__(
+        self,
+        name: str,
+        run: Callable[[list[_K]], Awaitable[list[_R]]],
+        *,
+        clock: Clock,
+        window_seconds: float = 0.0,
+        on_abandoned: Callable[[_K, _R], Awaitable[None]] | None = None,
+        counts: Counter[str] | None = None,
+    ) -> None:
+        self.name = name
+        self._run = run
+        self.clock = clock
+        self.window_seconds = window_seconds
+        self._on_abandoned = on_abandoned
+        self._open: _Batch[_K, _R] | None = None
+        self.statements = counts if counts is not None else Counter()
+
+    async def __call__(self, key: _K) -> _R:
+        batch = self._open
+        if batch is not None:
+            index = len(batch.keys)
+            batch.keys.append(key)
+            try:
+                await batch.done.wait()
+            except BaseException:
+                if batch.results is not None and self._on_abandoned is not None:
+                    with anyio.CancelScope(shield=True):
+                        await self._on_abandoned(key, batch.results[index])
+                raise
+            return self._result(batch, index)
+        batch = self._open = _Batch([key])
+        cancelled: BaseException | None = None
+        try:
+            await self._gather(batch)
+        except BaseException as exc:  # cancelled: the batch still runs, for the others
+            cancelled = exc
+        finally:
+            if self._open is batch:
+                self._open = None
+        with anyio.CancelScope(shield=True):
+            try:
+                self.statements[self.name] += 1
+                batch.results = await self._run(batch.keys)
+            except Exception as exc:  # every caller of the batch gets it
+                batch.error = exc
+            finally:
+                batch.done.set()
+            if cancelled is not None and batch.results is not None and self._on_abandoned:
+                await self._on_abandoned(key, batch.results[0])
+        if cancelled is not None:
+            raise cancelled
+        return self._result(batch, 0)
+
+    async def _gather(self, batch: _Batch[_K, _R]) -> None:
+        seen = 0
+        for _ in range(MAX_ROUNDS):
+            await anyio.lowlevel.checkpoint()
+            if len(batch.keys) == seen:
+                break
+            seen = len(batch.keys)
+        if self.window_seconds > 0:
+            await self.clock.sleep_until(self.clock.monotonic() + self.window_seconds)
+
+    @staticmethod
+    def _result(batch: _Batch[_K, _R], index: int) -> _R:
+        if batch.error is not None:
+            raise batch.error
+        assert batch.results is not None
+        return batch.results[index]
+
+
+@dataclass(frozen=True, slots=True)
+class _Claim:
+    request: ClaimRequest
+    instance: str
+
+
+class SharedLedger:
+    """The admission ledger of the tick loop: one ``Ledger``, its statements
+    shared by every destination ticking at the same time."""
+
+    def __init__(self, ledger: Ledger, *, clock: Clock) -> None:
+        self.ledger = ledger
+        self.clock = clock
+        self.statements: Counter[str] = Counter()  # statements run, by name (for the bench)
+        counts = self.statements
+        self._read = Coalescer("read_destination", self._read_many, counts=counts, clock=clock)
+        self._inflight = Coalescer(
+            "count_inflight", self._inflight_many, counts=counts, clock=clock
+        )
+        self._claim = Coalescer(
+            "claim_due",
+            self._claim_many,
+            on_abandoned=self._release_abandoned,
+            counts=counts,
+            clock=clock,
+        )
+        self._mark = Coalescer(
+            "mark_offered",
+            self._mark_many,
+            window_seconds=LAZY_WINDOW_SECONDS,
+            counts=counts,
+            clock=clock,
+        )
+        self._release = Coalescer(
+            "release_claims", self._release_many, window_seconds=LAZY_WINDOW_SECONDS,
+            counts=counts, clock=clock,
+        )  # fmt: skip
+        self._save = Coalescer(
+            "save_pacer_state",
+            self._save_many,
+            window_seconds=LAZY_WINDOW_SECONDS,
+            counts=counts,
+            clock=clock,
+        )
+        self._park = Coalescer(
+            "park_destinations", self._park_many, window_seconds=LAZY_WINDOW_SECONDS,
+            counts=counts, clock=clock,
+        )  # fmt: skip
+        self._closed: frozenset[str] | None = None
+        self._closed_at = -math.inf
+        self._closed_refresh: anyio.Event | None = None
+
+    # -- AdmissionLedger -----------------------------------------------------------
+
+    async def read_destination(self, destination: str) -> DestinationRow | None:
+        return await self._read(destination)
+
+    async def count_inflight(self, destination: str) -> int:
+        return await self._inflight(destination)
+
+    async def claim_due(
+        self,
+        destination: str,
+        *,
+        live_limit: int,
+        limit: int,
+        claim_seconds: float,
+        epoch: int,
+        live_window_seconds: float,
+        instance: str,
+    ) -> list[ClaimedJob]:
+        if limit <= 0:
+            return []
+        request = ClaimRequest(
+            destination=destination, live_limit=live_limit, limit=limit,
+            claim_seconds=claim_seconds, epoch=epoch, live_window_seconds=live_window_seconds,
+        )  # fmt: skip
+        return await self._claim(_Claim(request, instance))
+
+    async def mark_offered(self, refs: Sequence[JobRef], *, offer_seconds: float) -> list[JobRef]:
+        if not refs:
+            return []
+        return await self._mark((tuple(refs), offer_seconds))
+
+    async def release_claims(self, refs: Sequence[JobRef], *, reason: str) -> list[JobRef]:
+        if not refs:
+            return []
+        return await self._release((tuple(refs), reason))
+
+    async def save_pacer_state(
+        self, destination: str, state: Mapping[str, Any], *, epoch: int
+    ) -> None:
+        await self._save((destination, state, epoch))
+
+    async def has_due(self, destination: str, *, at_least: int = 1) -> int:
+        return await self.ledger.has_due(destination, at_least=at_least)
+
+    async def is_closed(self, destination: str) -> bool:
+        """Paused or cooling down, as of a snapshot at most
+        ``CLOSED_CHECK_SECONDS`` old (one small statement for everyone)."""
+        while (
+            self._closed is None or self.clock.monotonic() - self._closed_at > CLOSED_CHECK_SECONDS
+        ):
+            if self._closed_refresh is not None:
+                await self._closed_refresh.wait()
+                continue
+            refresh = self._closed_refresh = anyio.Event()
+            try:
+                with anyio.CancelScope(shield=True):
+                    began = self.clock.monotonic()
+                    self.statements["closed_destinations"] += 1
+                    self._closed = await self.ledger.closed_destinations()
+                    self._closed_at = began
+            finally:
+                self._closed_refresh = None
+                refresh.set()
+        return "*" in self._closed or destination in self._closed
+
+    async def park(self, destination: str) -> bool:
+        """Parks ``destination`` if it has nothing due and nothing in flight
+        (``Ledger.park_destinations``); whether it was parked."""
+        return await self._park(destination)
+
+    # -- the shared statements -------------------------------------------------------
+
+    async def _park_many(self, names: list[str]) -> list[bool]:
+        parked = await self.ledger.park_destinations(names)
+        return [n in parked for n in names]
+
+    async def _read_many(self, names: list[str]) -> list[DestinationRow | None]:
+        rows = await self.ledger.read_destinations(sorted(set(names)))
+        return [rows.get(n) for n in names]
+
+    async def _inflight_many(self, names: list[str]) -> list[int]:
+        counts = await self.ledger.count_inflight_many(sorted(set(names)))
+        return [counts.get(n, 0) for n in names]
+
+    async def _claim_many(self, claims: list[_Claim]) -> list[list[ClaimedJob]]:
+        by_instance: dict[str, list[ClaimRequest]] = {}
+        for claim in claims:
+            by_instance.setdefault(claim.instance, []).append(claim.request)
+        got: dict[str, list[ClaimedJob]] = {}
+        for instance, requests in by_instance.items():
+            got |= await self.ledger.claim_due_many(requests, instance=instance)
+        return [got.get(c.request.destination, []) for c in claims]
+
+    async def _release_abandoned(self, claim: _Claim, jobs: list[ClaimedJob]) -> None:
+        if not jobs:
+            return
+        try:
+            await self.ledger.release_claims([job.ref for job in jobs], reason="shutdown")
+        except LedgerError as exc:  # the claim lease returns them
+            log.warning("release_failed", count=len(jobs), error=str(exc))
+
+    async def _mark_many(self, asks: list[tuple[tuple[JobRef, ...], float]]) -> list[list[JobRef]]:
+        by_lease: dict[float, list[JobRef]] = {}
+        for refs, offer_seconds in asks:
+            by_lease.setdefault(offer_seconds, []).extend(refs)
+        marked: set[JobRef] = set()
+        for offer_seconds, lease_refs in by_lease.items():
+            marked.update(await self.ledger.mark_offered(lease_refs, offer_seconds=offer_seconds))
+        return [[r for r in refs if r in marked] for refs, _ in asks]
+
+    async def _release_many(self, asks: list[tuple[tuple[JobRef, ...], str]]) -> list[list[JobRef]]:
+        by_reason: dict[str, list[JobRef]] = {}
+        for refs, reason in asks:
+            by_reason.setdefault(reason, []).extend(refs)
+        released: set[JobRef] = set()
+        for reason, reason_refs in by_reason.items():
+            released.update(await self.ledger.release_claims(reason_refs, reason=reason))
+        return [[r for r in refs if r in released] for refs, _ in asks]
+
+    async def _save_many(self, saves: list[tuple[str, Mapping[str, Any], int]]) -> list[None]:
+        await self.ledger.save_pacer_states(saves)
+        return [None] * len(saves)
