@@ -54,7 +54,7 @@ from pacerd.roles import (
     worker_broker_permissions,
 )
 from pacerd.telemetry import METRICS, setup_telemetry
-from pacerd.testing import demo_app
+from pacerd_demo import app as demo_app
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -375,6 +375,39 @@ def test_compose_commands_run_real_programs(
     assert programs["pacerd"][0].listens
 
 
+def compose_modules(compose: dict[str, Any]) -> set[str]:
+    """The modules the stack's services of the pacerd image run (``-m``, ``--app``)."""
+    modules = set()
+    for service in services_of(compose).values():
+        entrypoint = [str(e) for e in service.get("entrypoint") or []]
+        if entrypoint[:2] == ["python", "-m"]:
+            modules.add(entrypoint[2])
+        command = [str(c) for c in service.get("command") or []]
+        if "--app" in command:
+            modules.add(command[command.index("--app") + 1].split(":")[0])
+    return modules
+
+
+def test_compose_modules_ship_in_the_wheel_the_image_builds(compose: dict[str, Any]) -> None:
+    """The image installs the wheel built from what the Dockerfile copies: every
+    package a service runs is one the wheel ships and the builder stage copies."""
+    modules = compose_modules(compose)
+    assert {"pacerd_demo.app", "pacerd_demo.producer", "pacerd.testing.upstream"} <= modules
+    build = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["hatch"]["build"]
+    wheel = build["targets"]["wheel"]["packages"]
+    copied = {
+        part.rstrip("/").removeprefix("./")
+        for word, rest in dockerfile_instructions()
+        if word == "COPY" and "--from=" not in rest
+        for part in rest.split()[:-1]
+        if not part.startswith("--")
+    }  # fmt: skip
+    for module in sorted(modules):
+        top = module.split(".")[0]
+        assert top in wheel, module
+        assert top in copied, module
+
+
 def test_compose_environment_is_read_by_its_program(
     compose: dict[str, Any], programs: dict[str, tuple[Program, dict[str, str]]]
 ) -> None:
@@ -522,13 +555,7 @@ def test_programs_in_the_image_need_no_extra(
         if {d.lower() for d in dists} <= extras and top.isidentifier()
     )  # fmt: skip
     modules = {"pacerd.cli", "pacerd.daemon", "pacerd.worker", "pacerd.ledger"}
-    for service in services_of(compose).values():
-        entrypoint = service.get("entrypoint") or []
-        if entrypoint[:2] == ["python", "-m"]:
-            modules.add(entrypoint[2])
-        command = [str(c) for c in service.get("command") or []]
-        if "--app" in command:
-            modules.add(command[command.index("--app") + 1].split(":")[0])
+    modules |= compose_modules(compose)
     script = (
         "import sys, importlib.abc\n"
         f"BLOCKED = set({blocked!r})\n"
