@@ -1,13 +1,57 @@
-"""The demo in a package of its own beside the daemon: the daemon never imports
-it, and its report does not import its runner. Files are parsed, not imported."""
+"""What the distribution promises a user who installs or adopts it: a license
+that is the one pyproject names, typed packages, project URLs into the
+repository's layout, and the demo in a package of its own that the daemon never
+imports (and whose report does not import its runner). Files are parsed, not
+imported."""
 
 from __future__ import annotations
 
 import ast
+import re
+import tomllib
 from pathlib import Path
+from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parents[2]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+PROJECT = PYPROJECT["project"]
 DEMO = ROOT / "pacerd_demo"
+
+
+# -- license, types, metadata --------------------------------------------------------
+
+
+def test_the_license_file_is_the_license_pyproject_names() -> None:
+    assert PROJECT["license"] == "Apache-2.0"
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text
+    assert "Version 2.0, January 2004" in text
+
+
+def test_every_shipped_package_is_typed() -> None:
+    packages = PYPROJECT["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"]
+    assert set(packages) == {"pacerd", "pacerd_demo"}
+    for package in packages:
+        assert (ROOT / package / "py.typed").is_file(), package
+    assert "Typing :: Typed" in PROJECT["classifiers"]
+    assert set(packages) <= set(PYPROJECT["tool"]["mypy"]["files"])
+
+
+def test_project_urls_point_into_the_repository_layout() -> None:
+    urls = PROJECT["urls"]
+    assert {"Homepage", "Documentation", "Changelog", "Issues"} <= set(urls)
+    roots = set()
+    for name, url in urls.items():
+        parts = urlsplit(url)
+        assert parts.scheme == "https", (name, url)
+        owner_repo = "/".join(parts.path.strip("/").split("/")[:2])
+        roots.add((parts.netloc, owner_repo))
+        match = re.fullmatch(r"/[^/]+/[^/]+/(?:blob|tree)/main/(.+)", parts.path)
+        if match:
+            assert (ROOT / match.group(1)).exists(), (name, url)
+    assert len(roots) == 1, roots  # one repository
+    assert urls["Changelog"].endswith("/CHANGELOG.md")
+    assert urls["Issues"].endswith("/issues")
 
 
 # -- the demo beside the daemon ------------------------------------------------------
