@@ -1,8 +1,8 @@
 """What the distribution promises a user who installs or adopts it: a license
 that is the one pyproject names, typed packages, project URLs into the
-repository's layout, and the demo in a package of its own that the daemon never
-imports (and whose report does not import its runner). Files are parsed, not
-imported."""
+repository's layout, a changelog whose newest release is the package's version,
+and the demo in a package of its own that the daemon never imports (and whose
+report does not import its runner). Files are parsed, not imported."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import re
 import tomllib
 from pathlib import Path
 from urllib.parse import urlsplit
+
+import pacerd
 
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -52,6 +54,33 @@ def test_project_urls_point_into_the_repository_layout() -> None:
     assert len(roots) == 1, roots  # one repository
     assert urls["Changelog"].endswith("/CHANGELOG.md")
     assert urls["Issues"].endswith("/issues")
+
+
+# -- version and changelog -----------------------------------------------------------
+
+SECTION = re.compile(r"^## (?P<version>\S+)(?: — (?P<date>.+))?$", re.MULTILINE)
+
+
+def releases() -> list[tuple[str, str | None]]:
+    """(version, date) of each section of CHANGELOG.md after ``Unreleased``, newest first."""
+    sections = SECTION.finditer((ROOT / "CHANGELOG.md").read_text())
+    return [(m["version"], m["date"]) for m in sections if m["version"] != "Unreleased"]
+
+
+def test_the_newest_release_in_the_changelog_is_the_package_version() -> None:
+    [(newest, date), *older] = releases()
+    assert newest == pacerd.__version__
+    assert re.fullmatch(r"\d+\.\d+\.\d+", newest), newest
+    assert date is not None
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", date), date
+    versions = [tuple(int(part) for part in v.split(".")) for v, _ in [(newest, date), *older]]
+    assert versions == sorted(versions, reverse=True)
+    assert len(set(versions)) == len(versions)
+
+
+def test_the_version_is_read_from_the_package() -> None:
+    assert PROJECT["dynamic"] == ["version"]
+    assert PYPROJECT["tool"]["hatch"]["version"]["path"] == "pacerd/__init__.py"
 
 
 # -- the demo beside the daemon ------------------------------------------------------
