@@ -1,8 +1,9 @@
 """What the distribution promises a user who installs or adopts it: a license
 that is the one pyproject names, typed packages, project URLs into the
 repository's layout, a changelog whose newest release is the package's version,
-and the demo in a package of its own that the daemon never imports (and whose
-report does not import its runner). Files are parsed, not imported."""
+the demo in a package of its own that the daemon never imports (and whose
+report does not import its runner), and a README under 12 KiB that says what
+pacerd is, how to run it and how it compares. Files are parsed, not imported."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ import tomllib
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import pytest
+
 import pacerd
 
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PROJECT = PYPROJECT["project"]
 DEMO = ROOT / "pacerd_demo"
+README_LIMIT = 12 * 1024
 
 
 # -- license, types, metadata --------------------------------------------------------
@@ -131,3 +135,46 @@ def test_the_demos_imports_go_one_way() -> None:
 
     for module in graph:
         reaches(module, frozenset({module}))
+
+
+# -- README --------------------------------------------------------------------------
+
+README = (ROOT / "README.md").read_text()
+FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
+
+
+def test_the_readme_is_under_12_kib() -> None:
+    assert len(README.encode()) <= README_LIMIT
+
+
+def test_the_readme_starts_with_the_two_commands_and_what_pacerd_is() -> None:
+    first = FENCE.search(README)
+    assert first is not None
+    commands = [line.split("#")[0].split() for line in first.group(0).splitlines()[1:-1]]
+    assert commands == [["bash", "scripts/demo.sh"], ["bash", "scripts/test.sh"]]
+    for _, script in commands:
+        assert (ROOT / script).is_file(), script
+    intro = README[first.end() :].lstrip().split("\n\n")[0]
+    assert intro.startswith("pacerd is ")
+
+
+def test_the_readme_has_the_diagram_the_comparison_and_the_supported_versions() -> None:
+    diagram = next(block for block in FENCE.findall(README) if "──" in block)
+    stops = ["producer", "ledger", "pacerd", "ready queue", "worker", "outcomes"]
+    at = 0
+    for stop in stops:  # in this order, from top to bottom
+        at = diagram.index(stop, at)
+    compared = README.split("## Compared with", 1)[1].split("\n## ", 1)[0]
+    for other in ("Celery", "PgQueuer", "Oban", "River", "Hatchet"):
+        assert other in compared, other
+    assert re.search(r"PostgreSQL \d+", README)
+    assert re.search(r"RabbitMQ \d+\.\d+", README)
+
+
+@pytest.mark.parametrize("term", ["live lane", "release slice", "epoch", "cut", "round trip"])
+def test_each_term_is_defined_where_the_readme_first_uses_it(term: str) -> None:
+    """Its first use outside code is in bold, the sentence that defines it."""
+    prose = re.sub(r"`[^`\n]*`", "", FENCE.sub("", README))
+    first = re.search(rf"(\*\*)?\b{re.escape(term)}", prose, re.IGNORECASE)
+    assert first is not None, term
+    assert first.group(1) == "**", prose[max(0, first.start() - 80) : first.end() + 40]
