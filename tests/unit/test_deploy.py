@@ -47,6 +47,7 @@ from support.metrics import exercise_every_metric
 from support.services import ADMIN_DSN, dsn_for, with_user
 
 from pacerd import cli, config, daemon, ledger, worker
+from pacerd.health import parse_address
 from pacerd.roles import (
     DAEMON_BROKER_PERMISSIONS,
     BrokerPermissions,
@@ -232,6 +233,7 @@ IMAGE_ENV_PREFIXES = {
     "postgres": ("POSTGRES_",), "rabbitmq": ("RABBITMQ_DEFAULT_",),
     "jaegertracing/all-in-one": ("COLLECTOR_OTLP_ENABLED",), "grafana/grafana": ("GF_",),
 }  # fmt: skip
+ANY_INTERFACE = frozenset({"", "0.0.0.0", "::"})
 URL = re.compile(r"\b[a-z][a-z0-9+]*://(?:[^/@\s]*@)?([A-Za-z0-9_.-]+):(\d+)")
 
 
@@ -268,6 +270,7 @@ class Program:
     reads_config: bool
     reads_otel: bool
     listens: frozenset[int]
+    binds: frozenset[str]  # the host part of each address it listens on
 
 
 def program_of(service: dict[str, Any], env: dict[str, str]) -> Program:
@@ -289,12 +292,18 @@ def program_of(service: dict[str, Any], env: dict[str, str]) -> Program:
             assert app.destinations, f"{args.app} consumes no destination"
             sources.append(inspect.getsource(app_module))
         listens: set[int] = set()
+        binds: set[str] = set()
         if args.verb == "run":
             image_defaults = {k: v for k, v in image_env().items() if k != "PACERD_CONFIG"}
             cfg = config.load_config(None, {**image_defaults, **env})
             if cfg.telemetry.http_address:
-                listens.add(port_of(cfg.telemetry.http_address))
-        return Program(tuple(sources), True, "setup_telemetry" in sources[0], frozenset(listens))
+                bind_host, bind_port = parse_address(cfg.telemetry.http_address)
+                listens.add(bind_port)
+                binds.add(bind_host or "")
+        return Program(
+            tuple(sources), True, "setup_telemetry" in sources[0], frozenset(listens),
+            frozenset(binds),
+        )  # fmt: skip
     assert entrypoint[:2] == ["python", "-m"], entrypoint
     module = importlib.import_module(entrypoint[2])
     args = module.build_parser().parse_args(command)
@@ -302,9 +311,10 @@ def program_of(service: dict[str, Any], env: dict[str, str]) -> Program:
         module.params_from_args(args)  # the values are valid, not only the flags
     source = inspect.getsource(module)
     port = getattr(args, "port", None)
+    host = getattr(args, "host", None)
     return Program(
         (source,), "load_config" in source, "setup_telemetry" in source,
-        frozenset({port} if port else set()),
+        frozenset({port} if port else set()), frozenset({host} if port and host else set()),
     )  # fmt: skip
 
 
@@ -489,6 +499,8 @@ def test_compose_urls_and_ports_match_listeners(
     for where, host, port in named:
         assert host in services, (where, host)
         assert port in ports[host], (where, host, port, ports[host])
+        if host in programs:  # reached from other containers: not on loopback only
+            assert programs[host][0].binds <= ANY_INTERFACE, (where, host, programs[host][0].binds)
     for name, service in services.items():
         for mapping in service.get("ports", []):
             assert int(str(mapping).rsplit(":", 1)[1]) in ports[name], (name, mapping)
