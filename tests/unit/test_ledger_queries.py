@@ -42,7 +42,7 @@ def test_placeholders_are_numbered_without_gaps(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(QUERIES))
 def test_every_query_has_its_ledger_method(name: str) -> None:
-    """STYLE.md 5: one async method per query, with the same name."""
+    """One async method of Ledger per named query, with the same name."""
     assert callable(getattr(ledger.Ledger, name, None)), f"Ledger.{name} is missing"
 
 
