@@ -99,6 +99,26 @@ def test_unit_essentials() -> None:
     assert s["CapabilityBoundingSet"] == [""]
 
 
+def test_unit_credentials_example_is_read_by_the_config(tmp_path: Path) -> None:
+    """The unit's commented LoadCredential= example, once uncommented, gives pacerd
+    its DSN and broker URL from $CREDENTIALS_DIRECTORY."""
+    lines = UNIT.read_text().splitlines()
+    credentials = {
+        line.split("=", 1)[1].split(":")[0]: line.split(":", 1)[1]
+        for line in lines if line.startswith("#LoadCredential=")
+    }  # fmt: skip
+    [environment] = [line for line in lines if line.startswith("#Environment=PACERD_")]
+    env = dict(pair.split("=", 1) for pair in environment.removeprefix("#Environment=").split())
+    assert set(env.values()) == set(credentials)
+    directory = tmp_path / "credentials"
+    directory.mkdir()
+    (directory / env["PACERD_DATABASE__DSN_FILE"]).write_text("postgresql://p:s3cret@db/pacerd\n")
+    (directory / env["PACERD_BROKER__URL_FILE"]).write_text("amqp://p:s3cret@mq/\n")
+    cfg = config.load_config(None, {**env, "CREDENTIALS_DIRECTORY": str(directory)})
+    assert cfg.database.dsn == "postgresql://p:s3cret@db/pacerd"
+    assert cfg.broker.url == "amqp://p:s3cret@mq/"
+
+
 @needs_systemd_analyze
 def test_unit_exposure_is_low() -> None:
     run = subprocess.run(
