@@ -17,6 +17,7 @@ ENV PIP_NO_CACHE_DIR=1 \
 WORKDIR /src
 COPY pyproject.toml README.md LICENSE ./
 COPY pacerd/ ./pacerd/
+COPY pacerd_demo/ ./pacerd_demo/
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
 FROM ${PYTHON_IMAGE} AS runtime

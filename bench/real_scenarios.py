@@ -85,7 +85,7 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 
 from bench import common
-from pacerd.testing.demo_app import build_app, upstreams_from_env
+from pacerd_demo.app import build_app, upstreams_from_env
 
 # The worker program of the pacerd runs (prefetch 200, like the workers).
 app = build_app(upstreams_from_env(), prefetch=200)

@@ -4,14 +4,14 @@
 # terminal; then a summary and demo-output/pacing.png.
 #
 # Creates .venv and installs pacerd[demo] if needed, makes sure PostgreSQL and
-# RabbitMQ answer, then runs `python -m pacerd.testing.demo`. Arguments are passed
+# RabbitMQ answer, then runs `python -m pacerd_demo`. Arguments are passed
 # on: --quick (about 20 s), --duration SECONDS (default 180), --workers N,
 # --jobs N, --no-live, --database NAME (default pacerd_demo, dropped and recreated).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ! .venv/bin/python -c "import pacerd, matplotlib" >/dev/null 2>&1; then
+if ! .venv/bin/python -c "import pacerd_demo, matplotlib" >/dev/null 2>&1; then
   echo "demo: installing pacerd[demo] into .venv"
   bash scripts/setup.sh demo
 fi
 bash scripts/services.sh
-exec .venv/bin/python -m pacerd.testing.demo "$@"
+exec .venv/bin/python -m pacerd_demo "$@"

@@ -4,8 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev,demo
 bash scripts/services.sh
-.venv/bin/ruff check pacerd tests bench
-.venv/bin/ruff format --check pacerd tests bench
+.venv/bin/ruff check pacerd pacerd_demo tests bench
+.venv/bin/ruff format --check pacerd pacerd_demo tests bench
 .venv/bin/mypy
 # The tests that run daemons go to one worker, one at a time (their xdist_group,
 # tests/conftest.py); everything else is spread over the other worker(s).

@@ -43,8 +43,10 @@ def _no_blocking_call_on_the_event_loop(request: pytest.FixtureRequest) -> Itera
     if not inspect.iscoroutinefunction(request.function) or _runs_daemons(request.node):
         yield
         return
-    # pacerd.testing holds the demo's and the tests' own helpers, not the daemon's code
-    with blockbuster_ctx("pacerd", excluded_modules=["pacerd.testing"]) as detector:
+    # pacerd.testing holds the tests' own helpers and pacerd_demo the demo, not the
+    # daemon's code (blockbuster matches path prefixes: "pacerd" covers pacerd_demo too)
+    excluded = ["pacerd.testing", "pacerd_demo"]
+    with blockbuster_ctx("pacerd", excluded_modules=excluded) as detector:
         for function in detector.functions.values():
             # asyncpg reads ~/.pgpass and looks for client certificates on connect
             function.can_block_in("asyncpg/connect_utils.py", "_parse_connect_dsn_and_args")

@@ -1,6 +1,6 @@
-"""Tools for testing and demonstrating pacerd, kept apart from the daemon: a
-model upstream (``upstream``), the demo's worker app (``demo_app``) and its
-orchestrator (``demo``); and two hand-cranked halves of the daemon for tests
+"""Tools for testing pacerd, kept apart from the daemon: a model upstream
+(``upstream``), which the tests, the benchmarks and the demo (``pacerd_demo``,
+its own package) call; and two hand-cranked halves of the daemon for tests
 that run workers without it: ``offer_due`` offers due jobs exactly the way the
 daemon publishes them (claim, publish with confirms and a ``traceparent``, mark
 offered) without any pacing; ``apply_outcomes`` applies what reaches the shared

@@ -18,9 +18,9 @@ import asyncpg
 from support.daemon import Daemon, utcnow
 from support.records import TICK_EVENT
 
-from pacerd.testing.demo_app import call_upstream, new_client
 from pacerd.testing.upstream import CapacitySchedule, ModelUpstream, UpstreamParams
 from pacerd.worker import Job, Worker, WorkerApp
+from pacerd_demo.app import call_upstream, new_client
 
 if TYPE_CHECKING:
     import datetime as dt

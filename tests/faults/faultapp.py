@@ -2,7 +2,7 @@
 
 Each job makes one call to the model upstream with an ``Idempotency-Key`` of
 ``job.idempotency_key`` plus the job's revision (so the upstream's record shows
-which revision executed), the way ``pacerd.testing.demo_app`` does (its pooled
+which revision executed), the way ``pacerd_demo.app`` does (its pooled
 HTTP client and ``Retry-After`` parsing are reused), and the upstream's answer
 becomes the outcome. Around the call it appends one JSON line per event to
 ``FAULT_CALL_LOG`` (``start`` before the call, ``called`` after it, with the
@@ -25,8 +25,8 @@ from typing import Any
 
 import httpx
 
-from pacerd.testing.demo_app import UpstreamClient, parse_retry_after
 from pacerd.worker import Fail, Job, Refused, Retry, WorkerApp
+from pacerd_demo.app import UpstreamClient, parse_retry_after
 
 
 def effect_key(job: Job) -> str:

@@ -5,7 +5,7 @@ the daemons' tick logs and the upstream's record of idempotency keys.
 
 It reuses the project's pieces: ``pacerd.testing.upstream.ModelUpstream`` (the
 rate-limited upstream that records each accepted call's key),
-``pacerd.testing.demo_app`` (through ``faultapp``), the SQL API for the
+``pacerd_demo.app`` (through ``faultapp``), the SQL API for the
 workload, the CLI verbs as an operator runs them. Both the fast tests
 (``tests/faults``) and the full benchmark (``bench/faults/run.py``) drive it.
 

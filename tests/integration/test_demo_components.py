@@ -25,10 +25,12 @@ from rich.console import Console
 from pacerd.client import Client
 from pacerd.ledger import Ledger
 from pacerd.publisher import Broker, ready_queue_name
-from pacerd.testing import OutcomeTap, demo_report, offer_due
-from pacerd.testing.demo import Demo, make_plan, schedule_backlog
-from pacerd.testing.demo_app import build_app
+from pacerd.testing import OutcomeTap, offer_due
 from pacerd.worker import Worker
+from pacerd_demo import report as demo_report
+from pacerd_demo.app import build_app
+from pacerd_demo.plan import make_plan
+from pacerd_demo.runner import Demo, schedule_backlog
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -149,7 +151,7 @@ async def test_the_whole_demo_runs_and_cleans_up(amqp_url: str, tmp_path: Path) 
     database = f"pacerd_demo_t_{uuid.uuid4().hex[:8]}"
     prefix = f"t-{uuid.uuid4().hex[:8]}"
     command = [
-        sys.executable, "-m", "pacerd.testing.demo", "--duration", "6", "--jobs", "200",
+        sys.executable, "-m", "pacerd_demo", "--duration", "6", "--jobs", "200",
         "--workers", "1", "--no-live", "--database", database, "--admin-dsn", ADMIN_DSN,
         "--amqp-url", amqp_url, "--vhost", "pacerd-test-demo", "--output", str(tmp_path),
         "--prefix", prefix,

@@ -20,9 +20,9 @@ import pytest
 from dispatch_helpers import daemon_config, delete_queues, running_daemon, schedule_many
 
 from pacerd.publisher import ready_queue_name
-from pacerd.testing.demo_app import build_app
 from pacerd.testing.upstream import CapacitySchedule, ModelUpstream, UpstreamParams
 from pacerd.worker import Worker
+from pacerd_demo.app import build_app
 
 pytestmark = [pytest.mark.services, pytest.mark.timeout(120)]
 

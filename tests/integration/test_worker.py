@@ -33,7 +33,6 @@ from pacerd.publisher import (
     ready_queue_name,
 )
 from pacerd.testing import OutcomeTap, TappedOutcome, offer_due, take_parked
-from pacerd.testing.demo_app import build_app
 from pacerd.testing.upstream import CapacitySchedule, ModelUpstream, UpstreamParams
 from pacerd.worker import (
     Continue,
@@ -46,6 +45,7 @@ from pacerd.worker import (
     WorkerStats,
     load_schema,
 )
+from pacerd_demo.app import build_app
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -392,7 +392,7 @@ async def test_pacerd_worker_process_stops_on_sigterm(
     env |= {"DEMO_UPSTREAMS": json.dumps({rig.destination: "http://127.0.0.1:9"})}
     env |= {"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none"}
     command = [sys.executable, "-m", "pacerd", "worker", "-c", str(config)]
-    command += ["--app", "pacerd.testing.demo_app:app"]
+    command += ["--app", "pacerd_demo.app:app"]
     lines: list[bytes] = []
     async with await anyio.open_process(command, env=env, stdout=None) as process:
         assert process.stderr is not None

@@ -21,9 +21,9 @@ from test_worker import rig  # noqa: F401  (the fixture)
 
 from pacerd.models import JobState
 from pacerd.testing import offer_due
-from pacerd.testing.demo_app import build_app
 from pacerd.testing.upstream import CapacitySchedule, ModelUpstream, UpstreamParams
 from pacerd.worker import Job, WorkerApp
+from pacerd_demo.app import build_app
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -71,7 +71,7 @@ async def test_a_worker_killed_mid_batch_loses_nothing_and_repeats_no_effect(
         env |= {"DEMO_UPSTREAMS": json.dumps({rig.destination: upstream.url})}
         env |= {"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none"}
         command = [sys.executable, "-m", "pacerd", "worker", "-c", str(config)]
-        command += ["--app", "pacerd.testing.demo_app:app"]
+        command += ["--app", "pacerd_demo.app:app"]
         with anyio.fail_after(60):
             offered = await offer_due(rig.ledger, rig.broker, rig.destination, limit=jobs)
             assert len(offered) == jobs

@@ -13,15 +13,15 @@ import anyio
 import httpx
 import pytest
 
-from pacerd.testing.demo_app import (
+from pacerd.testing.upstream import CapacitySchedule, ModelUpstream, UpstreamParams
+from pacerd.worker import Fail, Job, Refused, Retry
+from pacerd_demo.app import (
     UpstreamClient,
     build_app,
     call_upstream,
     new_client,
     parse_retry_after,
 )
-from pacerd.testing.upstream import CapacitySchedule, ModelUpstream, UpstreamParams
-from pacerd.worker import Fail, Job, Refused, Retry
 
 DESTINATION = "llm"
 

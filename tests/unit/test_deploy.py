@@ -47,6 +47,7 @@ from support.metrics import exercise_every_metric
 from support.services import ADMIN_DSN, dsn_for, with_user
 
 from pacerd import cli, config, daemon, ledger, worker
+from pacerd.health import parse_address
 from pacerd.roles import (
     DAEMON_BROKER_PERMISSIONS,
     BrokerPermissions,
@@ -54,7 +55,7 @@ from pacerd.roles import (
     worker_broker_permissions,
 )
 from pacerd.telemetry import METRICS, setup_telemetry
-from pacerd.testing import demo_app
+from pacerd_demo import app as demo_app
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -96,6 +97,26 @@ def test_unit_essentials() -> None:
     assert s["RestrictAddressFamilies"] == ["AF_UNIX AF_INET AF_INET6"]
     assert "@system-service" in s["SystemCallFilter"]
     assert s["CapabilityBoundingSet"] == [""]
+
+
+def test_unit_credentials_example_is_read_by_the_config(tmp_path: Path) -> None:
+    """The unit's commented LoadCredential= example, once uncommented, gives pacerd
+    its DSN and broker URL from $CREDENTIALS_DIRECTORY."""
+    lines = UNIT.read_text().splitlines()
+    credentials = {
+        line.split("=", 1)[1].split(":")[0]: line.split(":", 1)[1]
+        for line in lines if line.startswith("#LoadCredential=")
+    }  # fmt: skip
+    [environment] = [line for line in lines if line.startswith("#Environment=PACERD_")]
+    env = dict(pair.split("=", 1) for pair in environment.removeprefix("#Environment=").split())
+    assert set(env.values()) == set(credentials)
+    directory = tmp_path / "credentials"
+    directory.mkdir()
+    (directory / env["PACERD_DATABASE__DSN_FILE"]).write_text("postgresql://p:s3cret@db/pacerd\n")
+    (directory / env["PACERD_BROKER__URL_FILE"]).write_text("amqp://p:s3cret@mq/\n")
+    cfg = config.load_config(None, {**env, "CREDENTIALS_DIRECTORY": str(directory)})
+    assert cfg.database.dsn == "postgresql://p:s3cret@db/pacerd"
+    assert cfg.broker.url == "amqp://p:s3cret@mq/"
 
 
 @needs_systemd_analyze
@@ -232,6 +253,7 @@ IMAGE_ENV_PREFIXES = {
     "postgres": ("POSTGRES_",), "rabbitmq": ("RABBITMQ_DEFAULT_",),
     "jaegertracing/all-in-one": ("COLLECTOR_OTLP_ENABLED",), "grafana/grafana": ("GF_",),
 }  # fmt: skip
+ANY_INTERFACE = frozenset({"", "0.0.0.0", "::"})
 URL = re.compile(r"\b[a-z][a-z0-9+]*://(?:[^/@\s]*@)?([A-Za-z0-9_.-]+):(\d+)")
 
 
@@ -268,6 +290,7 @@ class Program:
     reads_config: bool
     reads_otel: bool
     listens: frozenset[int]
+    binds: frozenset[str]  # the host part of each address it listens on
 
 
 def program_of(service: dict[str, Any], env: dict[str, str]) -> Program:
@@ -289,12 +312,18 @@ def program_of(service: dict[str, Any], env: dict[str, str]) -> Program:
             assert app.destinations, f"{args.app} consumes no destination"
             sources.append(inspect.getsource(app_module))
         listens: set[int] = set()
+        binds: set[str] = set()
         if args.verb == "run":
             image_defaults = {k: v for k, v in image_env().items() if k != "PACERD_CONFIG"}
             cfg = config.load_config(None, {**image_defaults, **env})
             if cfg.telemetry.http_address:
-                listens.add(port_of(cfg.telemetry.http_address))
-        return Program(tuple(sources), True, "setup_telemetry" in sources[0], frozenset(listens))
+                bind_host, bind_port = parse_address(cfg.telemetry.http_address)
+                listens.add(bind_port)
+                binds.add(bind_host or "")
+        return Program(
+            tuple(sources), True, "setup_telemetry" in sources[0], frozenset(listens),
+            frozenset(binds),
+        )  # fmt: skip
     assert entrypoint[:2] == ["python", "-m"], entrypoint
     module = importlib.import_module(entrypoint[2])
     args = module.build_parser().parse_args(command)
@@ -302,9 +331,10 @@ def program_of(service: dict[str, Any], env: dict[str, str]) -> Program:
         module.params_from_args(args)  # the values are valid, not only the flags
     source = inspect.getsource(module)
     port = getattr(args, "port", None)
+    host = getattr(args, "host", None)
     return Program(
         (source,), "load_config" in source, "setup_telemetry" in source,
-        frozenset({port} if port else set()),
+        frozenset({port} if port else set()), frozenset({host} if port and host else set()),
     )  # fmt: skip
 
 
@@ -373,6 +403,39 @@ def test_compose_commands_run_real_programs(
     """`--app`, `python -m` modules and every flag parse with the program's own parser."""
     assert set(programs) == {"migrate", "pacerd", "worker", "upstream", "producer"}
     assert programs["pacerd"][0].listens
+
+
+def compose_modules(compose: dict[str, Any]) -> set[str]:
+    """The modules the stack's services of the pacerd image run (``-m``, ``--app``)."""
+    modules = set()
+    for service in services_of(compose).values():
+        entrypoint = [str(e) for e in service.get("entrypoint") or []]
+        if entrypoint[:2] == ["python", "-m"]:
+            modules.add(entrypoint[2])
+        command = [str(c) for c in service.get("command") or []]
+        if "--app" in command:
+            modules.add(command[command.index("--app") + 1].split(":")[0])
+    return modules
+
+
+def test_compose_modules_ship_in_the_wheel_the_image_builds(compose: dict[str, Any]) -> None:
+    """The image installs the wheel built from what the Dockerfile copies: every
+    package a service runs is one the wheel ships and the builder stage copies."""
+    modules = compose_modules(compose)
+    assert {"pacerd_demo.app", "pacerd_demo.producer", "pacerd.testing.upstream"} <= modules
+    build = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["hatch"]["build"]
+    wheel = build["targets"]["wheel"]["packages"]
+    copied = {
+        part.rstrip("/").removeprefix("./")
+        for word, rest in dockerfile_instructions()
+        if word == "COPY" and "--from=" not in rest
+        for part in rest.split()[:-1]
+        if not part.startswith("--")
+    }  # fmt: skip
+    for module in sorted(modules):
+        top = module.split(".")[0]
+        assert top in wheel, module
+        assert top in copied, module
 
 
 def test_compose_environment_is_read_by_its_program(
@@ -456,6 +519,8 @@ def test_compose_urls_and_ports_match_listeners(
     for where, host, port in named:
         assert host in services, (where, host)
         assert port in ports[host], (where, host, port, ports[host])
+        if host in programs:  # reached from other containers: not on loopback only
+            assert programs[host][0].binds <= ANY_INTERFACE, (where, host, programs[host][0].binds)
     for name, service in services.items():
         for mapping in service.get("ports", []):
             assert int(str(mapping).rsplit(":", 1)[1]) in ports[name], (name, mapping)
@@ -522,13 +587,7 @@ def test_programs_in_the_image_need_no_extra(
         if {d.lower() for d in dists} <= extras and top.isidentifier()
     )  # fmt: skip
     modules = {"pacerd.cli", "pacerd.daemon", "pacerd.worker", "pacerd.ledger"}
-    for service in services_of(compose).values():
-        entrypoint = service.get("entrypoint") or []
-        if entrypoint[:2] == ["python", "-m"]:
-            modules.add(entrypoint[2])
-        command = [str(c) for c in service.get("command") or []]
-        if "--app" in command:
-            modules.add(command[command.index("--app") + 1].split(":")[0])
+    modules |= compose_modules(compose)
     script = (
         "import sys, importlib.abc\n"
         f"BLOCKED = set({blocked!r})\n"

@@ -1,5 +1,6 @@
 """Every relative link in the documentation names a file that exists, and every
-``#anchor`` a heading of that file (GitHub's slugs)."""
+``#anchor`` a heading of that file (GitHub's slugs); every document the code
+cites exists too."""
 
 from __future__ import annotations
 
@@ -75,3 +76,37 @@ def test_slugs_follow_github() -> None:
     assert slug("The pacer, tick by tick") == "the-pacer-tick-by-tick"
     assert slug("Roles — not yet implemented") == "roles--not-yet-implemented"
     assert slug("`pacerd.tick` spans") == "pacerdtick-spans"
+
+
+CODE_DIRS = ("pacerd", "pacerd_demo", "tests", "scripts", "bench", "examples", "deploy", "systemd")
+CODE_SUFFIXES = {".py", ".sh", ".sql", ".js", ".mjs", ".toml", ".yaml", ".yml", ".service"}
+MD_NAME = re.compile(r"(?<![\w/.*-])((?:\.\./|[\w-]+/)*[\w-]+\.md)\b")
+MD_WRITTEN = {"results.md"}  # a file bench/faults/run.py writes, not one it cites
+
+
+def code_files() -> list[Path]:
+    files = [ROOT / "Dockerfile", ROOT / "compose.yaml", ROOT / "pyproject.toml"]
+    for directory in CODE_DIRS:
+        files += [
+            p for p in (ROOT / directory).rglob("*")
+            if p.suffix in CODE_SUFFIXES and "node_modules" not in p.parts
+        ]  # fmt: skip
+    return sorted(files)
+
+
+def test_documents_the_code_cites_exist() -> None:
+    """A ``*.md`` named in code, a comment or a docstring is a file of the
+    repository (from its root or from the citing file), and nothing cites notes
+    that were never checked in."""
+    unknown: list[str] = []
+    for path in code_files():
+        text = path.read_text(errors="replace")
+        where = str(path.relative_to(ROOT))
+        for name in MD_NAME.findall(text):
+            if name in MD_WRITTEN:
+                continue
+            if not ((ROOT / name).exists() or (path.parent / name).exists()):
+                unknown.append(f"{where}: {name}")
+        if path != Path(__file__).resolve() and re.search(r"field[ -]notes", text, re.I):
+            unknown.append(f"{where}: the field notes")
+    assert unknown == []

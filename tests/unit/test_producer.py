@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pacerd.testing.producer import ProducerParams, build_parser, jobs_for_second, params_from_args
+from pacerd_demo.producer import ProducerParams, build_parser, jobs_for_second, params_from_args
 
 
 def params(**overrides: object) -> ProducerParams:

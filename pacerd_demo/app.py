@@ -9,7 +9,7 @@ connections kept alive between calls. The upstreams come from
 app consumes exactly those destinations.
 
     DEMO_UPSTREAMS='{"llm": "http://127.0.0.1:8081"}' \\
-        pacerd worker --app pacerd.testing.demo_app:app -c demo.toml
+        pacerd worker --app pacerd_demo.app:app -c demo.toml
 """
 
 from __future__ import annotations

@@ -3,16 +3,16 @@ into two rate-limited model upstreams whose capacity steps down and up.
 
 Owns the orchestration only: a fresh database, a config file in a temp dir, the
 overdue backlog and a live trickle, one in-process ``ModelUpstream`` per
-destination, N ``pacerd worker`` processes running ``demo_app`` and one
+destination, N ``pacerd worker`` processes running the demo's worker (``app``) and one
 ``pacerd run``; a live terminal view per destination (capacity, pacer rate,
 sent, refused, in flight, due, oldest-due age, drain ETA); at the end a summary
 (utilization, refusal %, duplicate side effects counted from the upstreams'
 idempotency keys, jobs lost checked against the ledger) and a PNG chart of rate
-vs capacity. It stops every process it started, also on Ctrl-C. It drives the
-daemon the way an operator would (CLI, config, SQL API) and reaches into
-nothing.
+vs capacity, both drawn by ``report``. It stops every process it started, also
+on Ctrl-C. It drives the daemon the way an operator would (CLI, config, SQL
+API) and reaches into nothing.
 
-    python -m pacerd.testing.demo [--duration 180] [--quick] [--workers 3]
+    python -m pacerd_demo [--duration 180] [--quick] [--workers 3]
         [--jobs 18000] [--database pacerd_demo] [--output demo-output] [--no-live]
 """
 
@@ -27,7 +27,6 @@ import shutil
 import signal
 import sys
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
@@ -42,8 +41,9 @@ from pacerd.client import Client
 from pacerd.clock import SystemClock
 from pacerd.publisher import ready_queue_name
 from pacerd.roles import RoleNames, worker_broker_permissions
-from pacerd.testing import demo_report as report
-from pacerd.testing.upstream import CapacitySchedule, ModelUpstream, UpstreamParams
+from pacerd.testing.upstream import ModelUpstream, UpstreamParams
+from pacerd_demo import report
+from pacerd_demo.plan import DEFAULT_DURATION, DemoPlan, DestinationPlan, backlog_prefix, make_plan
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Sequence
@@ -52,79 +52,6 @@ if TYPE_CHECKING:
 
 ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
-DEFAULT_DURATION, DEFAULT_JOBS = 180.0, 18_000
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DestinationPlan:
-    name: str
-    schedule: CapacitySchedule
-    retry_after: bool  # an LLM-style API says when to come back; a carrier API does not
-    latency_median_ms: float
-    error_rate: float
-    backlog: int
-    trickle_per_second: float
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DemoPlan:
-    duration_seconds: float
-    workers: int
-    destinations: tuple[DestinationPlan, ...]
-    run_id: str = field(default_factory=lambda: secrets.token_hex(3))
-
-    def config_toml(self, dsn: str, amqp_url: str) -> str:
-        """Short ticks and leases, so a few minutes show the whole story."""
-        return (
-            f'[database]\ndsn = "{dsn}"\n\n[broker]\nurl = "{amqp_url}"\n\n'
-            "[pacing]\ntick_seconds = 0.5\ninitial_rate = 10.0\nmin_rate = 2.0\n"
-            "max_rate = 400.0\nincrease_step = 2.0\nmax_inflight = 400\n"
-            "live_share = 0.2\nlive_window_seconds = 30.0\n\n"
-            "[leases]\nclaim_seconds = 15.0\noffer_seconds = 30.0\n\n"
-            "[retry]\nmax_attempts = 8\nbackoff_base_seconds = 0.5\nbackoff_cap_seconds = 10.0\n\n"
-            "[reconcile]\ninterval_seconds = 2.0\n\n[daemon]\nshutdown_grace_seconds = 5.0\n\n"
-            '[telemetry]\nservice_name = "pacerd-demo"\nlog_format = "json"\n'
-        )
-
-
-def make_plan(
-    *,
-    duration_seconds: float = DEFAULT_DURATION,
-    workers: int = 3,
-    jobs: int | None = None,
-    prefix: str = "demo",
-) -> DemoPlan:
-    """Two destinations, ``jobs`` overdue in all (default: 100 a second of run)."""
-    d = duration_seconds
-    total = jobs if jobs is not None else round(DEFAULT_JOBS * d / DEFAULT_DURATION)
-    llm = CapacitySchedule(((0.0, 100.0), (0.33 * d, 35.0), (0.67 * d, 90.0)))
-    carrier = CapacitySchedule(
-        ((0.0, 60.0), (0.3 * d, 110.0), (0.55 * d, 40.0), (0.8 * d, 80.0)), ramp=True
-    )
-    return DemoPlan(
-        duration_seconds=d,
-        workers=workers,
-        destinations=(
-            DestinationPlan(
-                name=f"{prefix}-llm",
-                schedule=llm,
-                retry_after=True,
-                latency_median_ms=150.0,
-                error_rate=0.0,
-                backlog=total // 2,
-                trickle_per_second=4.0,
-            ),
-            DestinationPlan(
-                name=f"{prefix}-carrier",
-                schedule=carrier,
-                retry_after=False,
-                latency_median_ms=80.0,
-                error_rate=0.01,
-                backlog=total - total // 2,
-                trickle_per_second=4.0,
-            ),
-        ),
-    )
 
 
 def dsn_for(admin_dsn: str, database: str) -> str:
@@ -154,10 +81,6 @@ async def schedule_backlog(client: Client, plan: DemoPlan, destination: Destinat
         destination.backlog,
     )
     return scheduled
-
-
-def backlog_prefix(plan: DemoPlan, destination: str) -> str:
-    return f"{plan.run_id}-backlog-{destination}-"
 
 
 class Demo:
@@ -306,7 +229,7 @@ class Demo:
             for i in range(self.plan.workers):
                 await self.spawn(
                     f"worker-{i + 1}",
-                    ["worker", "--app", "pacerd.testing.demo_app:app"],
+                    ["worker", "--app", "pacerd_demo.app:app"],
                     worker_config or config,
                 )
             await self.spawn("pacerd", ["run"], config)
@@ -483,7 +406,7 @@ async def amain(args: argparse.Namespace, plan: DemoPlan, workdir: Path, output:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pacerd.testing.demo", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m pacerd_demo", description=__doc__)
     p.add_argument("--duration", type=float, default=None, help="seconds (default 180)")
     p.add_argument("--quick", action="store_true", help="about 20 s and 1,200 jobs")
     p.add_argument("--workers", type=int, default=3, help="pacerd worker processes")

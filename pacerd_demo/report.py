@@ -3,7 +3,8 @@ closing summary and the PNG chart of rate vs capacity (matplotlib, Agg).
 
 Owns presentation and the end-of-run checks (utilization, refusal %,
 duplicate side effects from the upstreams' idempotency keys, jobs lost from
-the ledger); it starts and stops nothing (``demo.py`` does).
+the ledger); it starts and stops nothing (``runner`` does), and imports
+nothing of the runner: what it needs of a run is the plan (``plan``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from pacerd.statusview import human_seconds
+from pacerd_demo.plan import backlog_prefix
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -28,8 +30,8 @@ if TYPE_CHECKING:
     from rich.console import Console, RenderableType
 
     from pacerd.client import Client
-    from pacerd.testing.demo import DemoPlan
     from pacerd.testing.upstream import CapacitySchedule, ModelUpstream
+    from pacerd_demo.plan import DemoPlan
 
 _SPARKS = " ▁▂▃▄▅▆▇█"
 
@@ -209,8 +211,6 @@ async def summarize(
     live_ids: Sequence[str],
 ) -> DemoSummary:
     """The end-of-run checks, against the ledger and the upstreams' records."""
-    from pacerd.testing.demo import backlog_prefix
-
     expected = [
         f"{backlog_prefix(plan, d.name)}{n}"
         for d in plan.destinations

@@ -1,12 +1,12 @@
 """A steady producer for the container demo: schedules jobs through the public
 SQL API (``pacerd.schedule``) at a fixed rate, plus a burst of overdue jobs at a
-fixed interval so a backlog forms and drains. It is a testing tool: the daemon
+fixed interval so a backlog forms and drains. It is part of the demo: the daemon
 never imports it.
 
 The ledger's DSN comes from the configuration, like every pacerd program
 (``-c FILE``, ``PACERD_CONFIG``, ``PACERD_DATABASE__DSN``).
 
-    python -m pacerd.testing.producer --destination llm --rate 40 \\
+    python -m pacerd_demo.producer --destination llm --rate 40 \\
         [--burst 3000 --burst-every 300] [--kind demo.call]
 """
 
@@ -83,7 +83,7 @@ async def produce(client: Client, params: ProducerParams, *, clock: Clock) -> No
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pacerd.testing.producer", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m pacerd_demo.producer", description=__doc__)
     p.add_argument("-c", "--config", default=None, help="pacerd config file (for the DSN)")
     p.add_argument("--destination", action="append", required=True, help="repeatable")
     p.add_argument("--rate", type=float, default=20.0, help="jobs per second")

@@ -1,0 +1,92 @@
+"""What a demo run is made of: its destinations, each with the capacity
+schedule of its model upstream, its backlog and its live trickle; the daemon's
+configuration for the run; and the job ids of the backlog.
+
+Shared by the runner (``runner``), which carries a plan out, and the report
+(``report``), which checks and shows its results; it imports neither.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+
+from pacerd.testing.upstream import CapacitySchedule
+
+DEFAULT_DURATION, DEFAULT_JOBS = 180.0, 18_000
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DestinationPlan:
+    name: str
+    schedule: CapacitySchedule
+    retry_after: bool  # an LLM-style API says when to come back; a carrier API does not
+    latency_median_ms: float
+    error_rate: float
+    backlog: int
+    trickle_per_second: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DemoPlan:
+    duration_seconds: float
+    workers: int
+    destinations: tuple[DestinationPlan, ...]
+    run_id: str = field(default_factory=lambda: secrets.token_hex(3))
+
+    def config_toml(self, dsn: str, amqp_url: str) -> str:
+        """Short ticks and leases, so a few minutes show the whole story."""
+        return (
+            f'[database]\ndsn = "{dsn}"\n\n[broker]\nurl = "{amqp_url}"\n\n'
+            "[pacing]\ntick_seconds = 0.5\ninitial_rate = 10.0\nmin_rate = 2.0\n"
+            "max_rate = 400.0\nincrease_step = 2.0\nmax_inflight = 400\n"
+            "live_share = 0.2\nlive_window_seconds = 30.0\n\n"
+            "[leases]\nclaim_seconds = 15.0\noffer_seconds = 30.0\n\n"
+            "[retry]\nmax_attempts = 8\nbackoff_base_seconds = 0.5\nbackoff_cap_seconds = 10.0\n\n"
+            "[reconcile]\ninterval_seconds = 2.0\n\n[daemon]\nshutdown_grace_seconds = 5.0\n\n"
+            '[telemetry]\nservice_name = "pacerd-demo"\nlog_format = "json"\n'
+        )
+
+
+def make_plan(
+    *,
+    duration_seconds: float = DEFAULT_DURATION,
+    workers: int = 3,
+    jobs: int | None = None,
+    prefix: str = "demo",
+) -> DemoPlan:
+    """Two destinations, ``jobs`` overdue in all (default: 100 a second of run)."""
+    d = duration_seconds
+    total = jobs if jobs is not None else round(DEFAULT_JOBS * d / DEFAULT_DURATION)
+    llm = CapacitySchedule(((0.0, 100.0), (0.33 * d, 35.0), (0.67 * d, 90.0)))
+    carrier = CapacitySchedule(
+        ((0.0, 60.0), (0.3 * d, 110.0), (0.55 * d, 40.0), (0.8 * d, 80.0)), ramp=True
+    )
+    return DemoPlan(
+        duration_seconds=d,
+        workers=workers,
+        destinations=(
+            DestinationPlan(
+                name=f"{prefix}-llm",
+                schedule=llm,
+                retry_after=True,
+                latency_median_ms=150.0,
+                error_rate=0.0,
+                backlog=total // 2,
+                trickle_per_second=4.0,
+            ),
+            DestinationPlan(
+                name=f"{prefix}-carrier",
+                schedule=carrier,
+                retry_after=False,
+                latency_median_ms=80.0,
+                error_rate=0.01,
+                backlog=total - total // 2,
+                trickle_per_second=4.0,
+            ),
+        ),
+    )
+
+
+def backlog_prefix(plan: DemoPlan, destination: str) -> str:
+    return f"{plan.run_id}-backlog-{destination}-"
