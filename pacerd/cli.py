@@ -162,6 +162,24 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--interval", type=float, default=1.0, help="--watch refresh seconds (default 1)"
     )
+    status.add_argument(
+        "--group", metavar="NAME", help="only the destinations of this group (-: of no group)"
+    )
+    status.add_argument(
+        "--destination", metavar="GLOB", help="only the destinations whose name fits the glob"
+    )
+    status.add_argument(
+        "--top",
+        type=int,
+        metavar="N",
+        help="only the N with the oldest due work, then the most refusals",
+    )
+    status.add_argument(
+        "--totals",
+        action="store_true",
+        help="show the totals per group even with no group configured; with --json,"
+        " print {groups, destinations, selected, left_out} instead of the list",
+    )
 
     schedule = verbs.add_parser(
         "schedule", parents=[common, as_json], help="schedule or revise a job"
@@ -298,7 +316,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return worker.main(cfg, app_ref=args.app)
     if args.verb == "status" and args.watch:
-        return anyio.run(_watch_status, cfg, args.interval)
+        return anyio.run(_watch_status, cfg, args)
     handler = _ASYNC_VERBS[args.verb]
     return anyio.run(handler, cfg, args)
 
@@ -355,13 +373,25 @@ def _check_config(cfg: Config, path: str | None, args: argparse.Namespace) -> in
     return EX_OK
 
 
-async def _watch_status(cfg: Config, interval: float) -> int:
+def _status_selection(cfg: Config, args: argparse.Namespace) -> Any:
+    """The destinations ``status`` was asked for (UsageError when invalid)."""
+    from pacerd.overview import Selection
+
+    selection = Selection(group=args.group, destination=args.destination, top=args.top)
+    problem = selection.problem(list(cfg.groups))
+    if problem is not None:
+        raise UsageError(problem)
+    return selection
+
+
+async def _watch_status(cfg: Config, args: argparse.Namespace) -> int:
     """``status --watch`` until Ctrl-C: the ledger's check, then the live view,
     in one event loop whose SIGINT handler ends either at once with status 130
     (a signal that lands between two loops, or is taken for an ordinary
     cancellation, is never lost)."""
     from pacerd import statusview
 
+    selection = _status_selection(cfg, args)
     failed: list[PacerdError] = []
     with anyio.open_signal_receiver(signal.SIGINT) as signals:
         async with anyio.create_task_group() as tg:
@@ -369,7 +399,14 @@ async def _watch_status(cfg: Config, interval: float) -> int:
             async def view() -> None:
                 try:
                     await _check_ledger(cfg)
-                    await statusview.watch(cfg.database.dsn, interval)
+                    await statusview.watch(
+                        cfg.database.dsn,
+                        args.interval,
+                        group_of=cfg.group_for,
+                        selection=selection,
+                        order=list(cfg.groups),
+                        totals=args.totals,
+                    )
                 except PacerdError as exc:  # raised as main() reports it, not in a group
                     failed.append(exc)
                 tg.cancel_scope.cancel()
@@ -588,13 +625,26 @@ async def _pause_resume(cfg: Config, args: argparse.Namespace) -> int:
 
 async def _status(cfg: Config, args: argparse.Namespace) -> int:
     from pacerd import statusview
+    from pacerd.overview import overview
+
+    selection = _status_selection(cfg, args)
 
     async def body(client: Any) -> int:
         rows = await client.status()
-        if args.json:
-            _print_json([statusview.status_dict(r) for r in rows])
+        if not args.json:
+            statusview.print_status(
+                rows, cfg.group_for, selection=selection, order=list(cfg.groups),
+                totals=args.totals,
+            )  # fmt: skip
+            return EX_OK
+        # JSON lists every selected destination (only --top leaves some out)
+        view = overview(rows, cfg.group_for, selection, order=list(cfg.groups), limit=None)
+        if args.totals:
+            _print_json(statusview.overview_dict(view, cfg.group_for))
         else:
-            statusview.print_status(rows)
+            _print_json(
+                [statusview.status_dict(r, cfg.group_for(r.destination)) for r in view.destinations]
+            )
         return EX_OK
 
     return await _with_client(cfg, body)

@@ -56,6 +56,7 @@ RESTART_KEYS = (
     "broker.",
     "telemetry.http_address",
     "telemetry.service_name",
+    "telemetry.destination_series",
     "daemon.instance_name",
 )  # prefixes a HUP reload cannot apply
 
@@ -98,6 +99,22 @@ class ReadyRoute:
     queue: str
     routing_key: str
     group: str | None = None
+
+
+def _check_glob(value: str) -> str:
+    """``value`` if it is a glob (or a plain name) over destination names, else ValueError."""
+    if not _GLOB_CHARACTERS.fullmatch(value):
+        raise ValueError(
+            'must be a glob such as "tenant-*" made of destination-name characters'
+            " (A-Z a-z 0-9 _ . : -) and * ? [ ] !"
+        )
+    if value.count("[") != value.count("]") or re.search(r"\[!?\]", value):
+        raise ValueError("has an unclosed or empty [...] set")
+    try:
+        re.compile(fnmatch.translate(value))
+    except re.error as exc:
+        raise ValueError(f"is not a valid glob ({exc})") from None
+    return value
 
 
 def _cross_field(key: str, value: object, rule: str) -> PydanticCustomError:
@@ -207,18 +224,7 @@ class GroupConfig(DestinationConfig):
     @field_validator("match")
     @classmethod
     def _glob(cls, value: str) -> str:
-        if not _GLOB_CHARACTERS.fullmatch(value):
-            raise ValueError(
-                'must be a glob such as "tenant-*" made of destination-name characters'
-                " (A-Z a-z 0-9 _ . : -) and * ? [ ] !"
-            )
-        if value.count("[") != value.count("]") or re.search(r"\[!?\]", value):
-            raise ValueError("has an unclosed or empty [...] set")
-        try:
-            re.compile(fnmatch.translate(value))
-        except re.error as exc:
-            raise ValueError(f"is not a valid glob ({exc})") from None
-        return value
+        return _check_glob(value)
 
 
 class LeasesConfig(_Section):
@@ -258,6 +264,8 @@ class TelemetryConfig(_Section):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["auto", "json", "console"] = "auto"
     http_address: str = ""  # empty: no /healthz or /metrics listener
+    # names or globs of grouped destinations that keep series of their own
+    destination_series: tuple[str, ...] = ()
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -270,6 +278,23 @@ class TelemetryConfig(_Section):
         host, _, port = value.rpartition(":")
         if value and not (host and port.isdigit() and 1 <= int(port) <= 65535):
             raise ValueError("must be empty or host:port with port 1..65535")
+        return value
+
+    @field_validator("destination_series", mode="before")
+    @classmethod
+    def _a_list(cls, value: object) -> object:
+        if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+            raise ValueError('must be a list of names or globs, e.g. ["tenant-0042"]')
+        return tuple(value)  # TOML arrays are lists
+
+    @field_validator("destination_series")
+    @classmethod
+    def _names_or_globs(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for item in value:
+            try:
+                _check_glob(item)
+            except ValueError as exc:
+                raise ValueError(f"{item!r} {exc}") from None
         return value
 
 
@@ -352,6 +377,16 @@ class Config(_Section):
         """The first group, in file order, whose ``match`` fits ``destination``."""
         return _group_of(tuple((g, c.match) for g, c in self.groups.items()), destination)
 
+    def series_for(self, destination: str) -> tuple[str, str]:
+        """The metric attribute ``destination``'s series are reported under:
+        ``("group", NAME)`` for a destination of a group, unless
+        ``[telemetry] destination_series`` names it (or a glob there fits it);
+        else ``("destination", destination)``."""
+        group = self.group_for(destination)
+        if group is None or _fits_any(self.telemetry.destination_series, destination):
+            return ("destination", destination)
+        return ("group", group)
+
     def pacing_for(self, destination: str) -> PacingParams:
         """``[pacing]``, overlaid with the destination's group's keys, then with
         ``[destinations.<destination>]``, if any."""
@@ -421,6 +456,11 @@ def _overlay(pacing: PacingConfig, overrides: DestinationConfig) -> PacingConfig
 def _group_of(globs: tuple[tuple[str, str], ...], destination: str) -> str | None:
     """The first ``(group, glob)`` of ``globs`` that fits ``destination``."""
     return next((g for g, glob in globs if fnmatch.fnmatchcase(destination, glob)), None)
+
+
+@functools.lru_cache(maxsize=65536)
+def _fits_any(globs: tuple[str, ...], destination: str) -> bool:
+    return any(fnmatch.fnmatchcase(destination, glob) for glob in globs)
 
 
 def instance_name(cfg: Config) -> str:
@@ -585,6 +625,8 @@ def _parse_env(raw: str, annotation: Any) -> object:
         annotation = next(a for a in get_args(annotation) if a is not type(None))
     if get_origin(annotation) is Annotated:
         annotation = get_args(annotation)[0]
+    if get_origin(annotation) in (tuple, list):  # a list of names: comma-separated
+        return [part.strip() for part in raw.split(",") if part.strip()]
     if annotation is bool:
         flags = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
         if raw.strip().lower() not in flags:

@@ -441,6 +441,7 @@ def main(cfg: Config, *, config_path: str | None, shadow: bool = False) -> int:
         prometheus=bool(cfg.telemetry.http_address),
         set_global=True,
         instance=instance_name(cfg),
+        series=cfg.series_for,
     )
 
     async def run() -> int:

@@ -35,10 +35,22 @@ underscores, counters end in ``_total`` and units are appended: ``pacerd_rate_pe
     pacerd.publish.failures        counter    {message} destination, reason
                                                         (nacked|returned|timeout)
     pacerd.build_info              gauge      1         version, python_version, instance_name
+    pacerd.destinations            gauge      {destination} group (how many destinations of
+                                                        the group this instance knows)
+
+``destination`` above stands for the series attribute of a destination, which a
+``SeriesRule`` chooses (``setup_telemetry(series=...)``, ``set_series``; the
+daemon's is ``Config.series_for``): ``destination=NAME``, a series of its own,
+or ``group=GROUP``, shared by the group's destinations so that thousands of
+them make one series. A group's gauges sum its destinations' values (rate,
+in flight, due, dead, leader, and paused and cooldown as counts of
+destinations) but for the ages in ``MAXIMUM_GAUGES`` (the maximum), and its
+counters and histograms count for all of them.
 
 Gauges are observable: each collection reads the latest value recorded here,
 whatever the exporter's temporality, and a destination this instance stops
-leading is dropped (``forget_destination``) instead of repeating its last value.
+leading is dropped (``forget_destination``) instead of repeating its last value;
+``forget_destination(everything=True)`` drops all it left here.
 The resource carries ``service.instance.id`` (the instance name, unless
 ``OTEL_RESOURCE_ATTRIBUTES`` sets one), and every log line an ``instance`` key.
 
@@ -105,15 +117,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "METRICS", "METRIC_ADMITTED", "METRIC_BUILD_INFO", "METRIC_COOLDOWN", "METRIC_DEAD",
-    "METRIC_DRAIN_ETA", "METRIC_DUE", "METRIC_INFLIGHT", "METRIC_LEADER",
+    "METRIC_DESTINATIONS", "METRIC_DRAIN_ETA", "METRIC_DUE", "METRIC_INFLIGHT", "METRIC_LEADER",
     "METRIC_LEASES_RECLAIMED", "METRIC_OLDEST_DUE_AGE", "METRIC_OUTCOMES",
     "METRIC_OUTCOMES_APPLIED", "METRIC_OUTCOMES_INVALID", "METRIC_PAUSED",
     "METRIC_PUBLISH_CONFIRM", "METRIC_PUBLISH_FAILURES", "METRIC_RATE", "METRIC_REFUSALS",
     "METRIC_TICK_DURATION",
     "SPAN_CLAIM", "SPAN_MARK_OFFERED", "SPAN_OUTCOME", "SPAN_PUBLISH", "SPAN_RECONCILE",
-    "SPAN_TICK", "LatestValues", "Telemetry", "bind_log_context", "configure_logging",
+    "SPAN_TICK", "LatestValues", "SeriesRule", "Telemetry", "bind_log_context", "configure_logging",
     "extract_context", "inject_traceparent",
-    "redact", "set_log_level", "setup_telemetry",
+    "per_destination", "redact", "set_log_level", "setup_telemetry",
 ]  # fmt: skip
 
 METRIC_RATE = "pacerd.rate"
@@ -135,13 +147,17 @@ METRIC_COOLDOWN = "pacerd.cooldown"
 METRIC_PUBLISH_CONFIRM = "pacerd.publish.confirm_duration_seconds"
 METRIC_PUBLISH_FAILURES = "pacerd.publish.failures"
 METRIC_BUILD_INFO = "pacerd.build_info"
+METRIC_DESTINATIONS = "pacerd.destinations"
 METRICS = (
     METRIC_RATE, METRIC_ADMITTED, METRIC_REFUSALS, METRIC_INFLIGHT, METRIC_DUE,
     METRIC_OLDEST_DUE_AGE, METRIC_DRAIN_ETA, METRIC_LEASES_RECLAIMED, METRIC_OUTCOMES,
     METRIC_OUTCOMES_APPLIED, METRIC_OUTCOMES_INVALID, METRIC_TICK_DURATION, METRIC_DEAD,
     METRIC_LEADER, METRIC_PAUSED, METRIC_COOLDOWN, METRIC_PUBLISH_CONFIRM,
-    METRIC_PUBLISH_FAILURES, METRIC_BUILD_INFO,
+    METRIC_PUBLISH_FAILURES, METRIC_BUILD_INFO, METRIC_DESTINATIONS,
 )  # fmt: skip
+# A group's series report the maximum of its destinations' values for these
+# gauges, and the sum for every other one.
+MAXIMUM_GAUGES = (METRIC_OLDEST_DUE_AGE, METRIC_DRAIN_ETA)
 
 SPAN_TICK = "pacerd.tick"
 SPAN_CLAIM = "pacerd.claim"
@@ -454,36 +470,109 @@ def _attributes(values: _Attributes) -> dict[str, AttributeValue]:
 
 
 _SeriesKey = tuple[tuple[str, str], ...]
+SeriesRule = Callable[[str], tuple[str, str]]
+"""Which attribute a destination's series are reported under: ``("destination",
+NAME)`` (its own series) or, say, ``("group", GROUP)`` (shared with the group's
+other destinations). ``Config.series_for`` is the daemon's."""
+
+
+def per_destination(destination: str) -> tuple[str, str]:
+    """The default ``SeriesRule``: every destination has series of its own."""
+    return ("destination", destination)
 
 
 class LatestValues:
     """The last value of every gauge series, read by the observable gauges at
-    each collection (from the exporter's or the scrape's thread, hence the lock)."""
+    each collection (from the exporter's or the scrape's thread, hence the lock).
 
-    def __init__(self) -> None:
+    Values are kept per destination; a collection reports each under its
+    destination's ``SeriesRule`` attribute, the destinations that share one
+    (a group's) summed, or for the ``maxima`` gauges their maximum. What a
+    destination leaves here goes with ``forget``."""
+
+    def __init__(self, rule: SeriesRule = per_destination, *, maxima: Iterable[str] = ()) -> None:
         self._lock = threading.Lock()
         self._series: dict[str, dict[_SeriesKey, float]] = {}
+        self._rule = rule
+        self._maxima = frozenset(maxima)
+        self._keys: dict[str, tuple[str, str]] = {}  # destination -> its series attribute
+
+    def set_rule(self, rule: SeriesRule) -> None:
+        """Report every destination, those already recorded too, under ``rule``."""
+        with self._lock:
+            self._rule = rule
+            self._keys = {destination: rule(destination) for destination in self._keys}
+
+    def series_of(self, destination: str) -> tuple[str, str]:
+        """``destination``'s series attribute (remembered until it is forgotten)."""
+        with self._lock:
+            return self._key_locked(destination)
+
+    def _key_locked(self, destination: str) -> tuple[str, str]:
+        key = self._keys.get(destination)
+        if key is None:
+            key = self._keys[destination] = self._rule(destination)
+        return key
 
     def set(self, name: str, value: float, attributes: Mapping[str, str]) -> None:
         key = tuple(sorted(attributes.items()))
         with self._lock:
+            if "destination" in attributes:
+                self._key_locked(attributes["destination"])
             self._series.setdefault(name, {})[key] = value
+
+    def discard(self, name: str, attributes: Mapping[str, str]) -> None:
+        """Drops one series (its value is no longer known)."""
+        with self._lock:
+            self._series.get(name, {}).pop(tuple(sorted(attributes.items())), None)
 
     def forget(self, destination: str, *, keep: Sequence[str] = ()) -> None:
         """Drops every series of ``destination`` but those of the ``keep`` gauges."""
+        pair = ("destination", destination)
         with self._lock:
+            remains = False
             for name, series in self._series.items():
-                if name not in keep:
-                    for key in [k for k in series if ("destination", destination) in k]:
-                        del series[key]
+                mine = [k for k in series if pair in k]
+                if name in keep:
+                    remains = remains or bool(mine)
+                    continue
+                for key in mine:
+                    del series[key]
+            if not remains:
+                self._keys.pop(destination, None)
+
+    def destinations(self) -> int:
+        """How many destinations have something remembered here."""
+        with self._lock:
+            return len(self._keys)
 
     def observer(self, name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def observe(_options: CallbackOptions) -> Iterable[Observation]:
-            with self._lock:
-                series = list(self._series.get(name, {}).items())
-            return [Observation(value, dict(key)) for key, value in series]
+            return [Observation(value, dict(key)) for key, value in self.collect(name).items()]
 
         return observe
+
+    def collect(self, name: str) -> dict[_SeriesKey, float]:
+        """What a collection of ``name`` reports: attributes -> value."""
+        with self._lock:
+            series = list(self._series.get(name, {}).items())
+            keys = dict(self._keys)
+        highest = name in self._maxima
+        out: dict[_SeriesKey, float] = {}
+        for key, value in series:
+            attributes = dict(key)
+            destination = attributes.get("destination")
+            if destination is not None:
+                label, series_name = keys.get(destination) or per_destination(destination)
+                del attributes["destination"]
+                attributes[label] = series_name
+            reported = tuple(sorted(attributes.items()))
+            before = out.get(reported)
+            if before is None:
+                out[reported] = value
+            else:
+                out[reported] = max(before, value) if highest else before + value
+        return out
 
 
 class Telemetry:
@@ -498,9 +587,11 @@ class Telemetry:
         metric_exporters: Sequence[MetricExporter] = (),
         metric_readers: Sequence[MetricReader] = (),
         instance: str = "",
+        series: SeriesRule = per_destination,
     ) -> None:
         """``span_exporters``/``metric_exporters`` are aborted if shutdown runs late;
-        ``instance`` names this process in ``pacerd.build_info``."""
+        ``instance`` names this process in ``pacerd.build_info``; ``series`` says
+        which attribute each destination's series are reported under."""
         self.tracer_provider = tracer_provider
         self.meter_provider = meter_provider
         self.span_exporters = tuple(span_exporters)
@@ -509,7 +600,7 @@ class Telemetry:
         self._closed = False
         self.tracer = tracer_provider.get_tracer("pacerd", __version__)
         self.meter = meter = meter_provider.get_meter("pacerd", __version__)
-        self.latest = latest = LatestValues()
+        self.latest = latest = LatestValues(series, maxima=MAXIMUM_GAUGES)
 
         def gauge(name: str, unit: str, description: str) -> ObservableGauge:
             return meter.create_observable_gauge(name, [latest.observer(name)], unit, description)
@@ -525,6 +616,9 @@ class Telemetry:
         self.leader = gauge(METRIC_LEADER, "", "1 when this instance leads the destination")
         self.paused = gauge(METRIC_PAUSED, "", "1 when admission is paused (ledger or local)")
         self.cooldown = gauge(METRIC_COOLDOWN, "", "1 during a Retry-After cool-down")
+        self.destinations = gauge(
+            METRIC_DESTINATIONS, "{destination}", "Destinations of a group this instance knows"
+        )
         self.build_info = gauge(METRIC_BUILD_INFO, "", "Always 1; the labels say what runs")
         latest.set(METRIC_BUILD_INFO, 1, {
             "version": __version__, "python_version": platform.python_version(),
@@ -690,13 +784,16 @@ class Telemetry:
         latest.set(METRIC_OLDEST_DUE_AGE, oldest_due_age_seconds or 0.0, where)
         if drain_eta_seconds is not None:
             latest.set(METRIC_DRAIN_ETA, drain_eta_seconds, where)
+        else:  # unknown now (nothing due, or no rate): not reported
+            latest.discard(METRIC_DRAIN_ETA, where)
+        series = self.series_attributes(destination)
         if admitted:
             mode = "shadow" if shadow else "active"
-            self.admitted.add(admitted, {"destination": destination, "mode": mode})
+            self.admitted.add(admitted, {**series, "mode": mode})
         if refused:
-            self.refusals.add(refused, where)
+            self.refusals.add(refused, series)
         if duration_seconds is not None:
-            self.tick_duration.record(duration_seconds, where)
+            self.tick_duration.record(duration_seconds, series)
         target = span if span is not None else trace.get_current_span()
         target.set_attributes(
             _attributes({
@@ -747,9 +844,17 @@ class Telemetry:
         self.latest.set(METRIC_DEAD, dead, {"destination": destination})
 
     def record_leadership(self, leading: Mapping[str, bool]) -> None:
-        """For every destination this instance knows: does it lead it."""
+        """For every destination this instance knows: does it lead it. A group's
+        series count the destinations it leads, and ``pacerd.destinations`` how
+        many the group has."""
+        latest = self.latest
         for destination, leads in leading.items():
-            self.latest.set(METRIC_LEADER, int(leads), {"destination": destination})
+            where = {"destination": destination}
+            latest.set(METRIC_LEADER, int(leads), where)
+            if latest.series_of(destination)[0] != "destination":
+                latest.set(METRIC_DESTINATIONS, 1, where)
+            else:
+                latest.discard(METRIC_DESTINATIONS, where)
 
     def record_admission_state(
         self, destination: str, *, paused: bool, paused_locally: bool, cooldown: bool
@@ -765,17 +870,31 @@ class Telemetry:
         nacked: int = 0, returned: int = 0, timeouts: int = 0,
     ) -> None:  # fmt: skip
         """A release slice's time to its last confirm, and the publishes that failed."""
-        where = {"destination": destination}
+        where = self.series_attributes(destination)
         if confirm_seconds is not None:
             self.publish_confirm.record(confirm_seconds, where)
         for reason, count in (("nacked", nacked), ("returned", returned), ("timeout", timeouts)):
             if count:
                 self.publish_failures.add(count, {**where, "reason": reason})
 
-    def forget_destination(self, destination: str) -> None:
+    def forget_destination(self, destination: str, *, everything: bool = False) -> None:
         """This instance no longer leads ``destination``: its per-tick gauges
-        stop (the ledger's counts and the leader gauge stay)."""
-        self.latest.forget(destination, keep=(METRIC_DEAD, METRIC_LEADER))
+        stop (the ledger's counts and the leader gauges stay). ``everything``:
+        the destination is gone or idle, and nothing of it is kept."""
+        keep = () if everything else (METRIC_DEAD, METRIC_LEADER, METRIC_DESTINATIONS)
+        self.latest.forget(destination, keep=keep)
+
+    def set_series(self, rule: SeriesRule) -> None:
+        """Report each destination's series under ``rule(destination)`` from the
+        next collection on: ``("destination", NAME)`` for series of its own,
+        ``("group", GROUP)`` for its group's (``Config.series_for``)."""
+        self.latest.set_rule(rule)
+
+    def series_attributes(self, destination: str) -> dict[str, str]:
+        """The attribute ``destination``'s counters and histograms are recorded
+        under: ``{"destination": NAME}`` or ``{"group": GROUP}``."""
+        label, name = self.latest.series_of(destination)
+        return {label: name}
 
     def record_invalid_outcome(self, reason: str) -> None:
         """A malformed outcome message was parked in ``pacerd.outcomes.invalid``."""
@@ -837,6 +956,7 @@ def setup_telemetry(
     log_stream: TextIO | None = None,
     set_global: bool = False,
     instance: str | None = None,
+    series: SeriesRule = per_destination,
 ) -> Telemetry:
     """Configure logging, traces and metrics; return the ``Telemetry`` to hand around.
 
@@ -851,6 +971,8 @@ def setup_telemetry(
     global registry that ``/metrics`` serves). ``set_global`` also installs the
     providers as OpenTelemetry's globals (once per process). ``instance`` (the
     instance name) goes on every log line, the resource and ``pacerd.build_info``.
+    ``series`` (``Config.series_for``) says which attribute each destination's
+    metric series are reported under: its own, or its group's.
     """
     bind_log_context(**({"instance": instance} if instance else {}))
     configure_logging(log_level, log_format, stream=log_stream)
@@ -885,4 +1007,5 @@ def setup_telemetry(
     return Telemetry(
         tracer_provider, meter_provider, span_exporters=span_exporters,
         metric_exporters=metric_exporters, metric_readers=readers, instance=instance or "",
+        series=series,
     )  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
 import os
 import shutil
@@ -10,7 +11,7 @@ import signal
 import subprocess
 import sys
 import tomllib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 import pytest
@@ -172,6 +173,97 @@ async def test_schedule_show_status_cancel(db_dsn: str) -> None:
     missing = pacerd(db_dsn, "show", "nope")
     assert missing.returncode == EX_UNKNOWN_JOB
     assert missing.stderr.strip() == "pacerd: error: no job 'nope'"
+
+
+GROUPED = """
+[groups.tenants]
+match = "st-t-*"
+
+[groups.eu]
+match = "st-eu-*"
+"""
+
+
+async def _schedule_many(dsn: str, destinations: dict[str, float]) -> None:
+    """One job due ``age`` seconds ago for each destination."""
+    client = await Client.connect(dsn)
+    try:
+        now = await client.pool.fetchval("SELECT now()")
+        for destination, age in destinations.items():
+            await client.schedule(
+                f"job-{destination}", kind="k", destination=destination, payload={},
+                eligible_at=now - dt.timedelta(seconds=age),
+            )  # fmt: skip
+    finally:
+        await client.close()
+
+
+async def test_status_by_group_glob_and_top_with_group_totals(db_dsn: str, tmp_path: Path) -> None:
+    config = tmp_path / "pacerd.toml"
+    config.write_text(GROUPED)
+    tenants = {f"st-t-{n:03}": 100.0 + n for n in range(60)}
+    await _schedule_many(db_dsn, {**tenants, "st-eu-1": 5000.0, "st-smtp": 30.0})
+
+    def doc(*args: str) -> Any:
+        result = pacerd(db_dsn, "status", "--json", *args, config=config)
+        assert result.returncode == EX_OK, result.stderr
+        return json.loads(result.stdout)
+
+    everything = doc()  # the list of destinations, every one, as before
+    assert isinstance(everything, list)
+    assert len(everything) == 62
+    groups = {r["destination"]: r["group"] for r in everything}
+    assert groups["st-t-007"] == "tenants"
+    assert groups["st-eu-1"] == "eu"
+    assert groups["st-smtp"] is None
+    assert {r["destination"] for r in doc("--group", "tenants")} == set(tenants)
+    assert [r["destination"] for r in doc("--group", "-")] == ["st-smtp"]
+    assert [r["destination"] for r in doc("--destination", "st-t-05?")] == [
+        f"st-t-05{n}" for n in range(10)
+    ]
+    top = [r["destination"] for r in doc("--top", "3")]
+    assert top == ["st-eu-1", "st-t-059", "st-t-058"]  # the oldest due work first
+
+    totals = doc("--totals", "--group", "tenants", "--top", "2")
+    assert [g["group"] for g in totals["groups"]] == ["tenants"]
+    [group] = totals["groups"]
+    assert group["destinations"] == 60
+    assert group["due"] == 60
+    assert group["oldest_due_age_seconds"] >= 159
+    assert group["refusal_ratio"] is None  # no outcome yet
+    assert [r["destination"] for r in totals["destinations"]] == ["st-t-059", "st-t-058"]
+    assert (totals["selected"], totals["left_out"]) == (60, 58)
+    every_group = doc("--totals")
+    assert [g["group"] for g in every_group["groups"]] == ["tenants", "eu", None]
+    assert len(every_group["destinations"]) == 62  # JSON leaves out only what --top does
+
+    table = pacerd(db_dsn, "status", config=config)
+    assert table.returncode == EX_OK, table.stderr
+    assert "tenants" in table.stdout.split("st-eu-1")[0]  # the group totals come first
+    assert "12 more destination(s) not shown" in table.stdout
+    assert "st-t-011" in table.stdout  # the 50 with the oldest due work: st-eu-1 and 49
+    assert "st-t-010" not in table.stdout
+    assert "st-smtp" not in table.stdout
+    chosen = pacerd(db_dsn, "status", "--group", "tenants", config=config)
+    assert "not shown" not in chosen.stdout  # a filter shows every destination it selects
+    assert "st-t-000" in chosen.stdout
+
+
+async def test_status_rejects_a_bad_selection_as_usage(db_dsn: str, tmp_path: Path) -> None:
+    config = tmp_path / "pacerd.toml"
+    config.write_text(GROUPED)
+    known = "(groups: tenants, eu; --group - selects the destinations in no group)"
+    for args, message in (
+        (("--group", "nope"), f"pacerd: error: no group 'nope' in the configuration {known}"),
+        (("--top", "0"), "pacerd: error: --top must be at least 1, not 0"),
+        (("--top", "0", "--watch"), "pacerd: error: --top must be at least 1, not 0"),
+        (("--group", "nope", "--json"), "pacerd: error: no group 'nope'"),
+    ):  # fmt: skip
+        result = pacerd(db_dsn, "status", *args, config=config)
+        assert result.returncode == EX_USAGE, (args, result.stderr)
+        assert result.stderr.startswith(message), (args, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1
+        assert result.stdout == ""
 
 
 async def test_bad_input_is_one_line_and_non_zero(db_dsn: str) -> None:

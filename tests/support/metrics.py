@@ -7,17 +7,28 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pacerd.telemetry import Telemetry
 
+GROUPED = "tenant-1"  # a destination of group GROUP under ``grouped_series``
+GROUP = "tenants"
+
+
+def grouped_series(destination: str) -> tuple[str, str]:
+    """A series rule: ``GROUPED`` reports under ``group=GROUP``, the rest as themselves."""
+    return ("group", GROUP) if destination == GROUPED else ("destination", destination)
+
 
 def exercise_every_metric(tel: Telemetry, destination: str = "mail") -> None:
-    """Records a value for every metric pacerd has (so each shows up on a scrape)."""
-    tel.record_tick(
-        destination, rate=2.5, budget=3, admitted=2, inflight=4, due=10,
-        oldest_due_age_seconds=12.0, drain_eta_seconds=4.0, refused=1, duration_seconds=0.02,
-    )  # fmt: skip
+    """Records a value for every metric pacerd has (so each shows up on a scrape),
+    for ``destination`` and for ``GROUPED``, whose series are its group's when
+    the telemetry's series rule is ``grouped_series``."""
     tel.record_reconcile(claims_released=1, offers_rescheduled=1, offers_dead=1)
     tel.record_outcome("refused", "stale")
     tel.record_invalid_outcome("not_json")
-    tel.record_dead(destination, 3)
-    tel.record_leadership({destination: True})
-    tel.record_admission_state(destination, paused=True, paused_locally=False, cooldown=True)
-    tel.record_publish(destination, confirm_seconds=0.01, nacked=1, returned=1, timeouts=1)
+    for name in (destination, GROUPED):
+        tel.record_tick(
+            name, rate=2.5, budget=3, admitted=2, inflight=4, due=10,
+            oldest_due_age_seconds=12.0, drain_eta_seconds=4.0, refused=1, duration_seconds=0.02,
+        )  # fmt: skip
+        tel.record_dead(name, 3)
+        tel.record_leadership({name: True})
+        tel.record_admission_state(name, paused=True, paused_locally=False, cooldown=True)
+        tel.record_publish(name, confirm_seconds=0.01, nacked=1, returned=1, timeouts=1)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from pacerd.config import Config, ReadyRoute, load_config
+from pacerd.config import Config, ReadyRoute, load_config, reload_diff
 from pacerd.daemon import Daemon
 from pacerd.errors import ConfigError
 from pacerd.pacer import PacingParams
@@ -196,3 +196,51 @@ def test_a_ledger_destination_named_like_a_group_outside_it_is_not_admitted(
             assert admitted == ["smtp", "t-all", "tenant-1"]
     refused = [e for e in events if e["event"] == "destination_not_admitted"]
     assert [e["destination"] for e in refused] == ["tenants"]
+
+
+# -- metric series: the group's, or the destination's own -----------------------------
+
+
+def test_a_grouped_destination_reports_under_its_group(tmp_path: Path) -> None:
+    config = load(tmp_path, GROUPS)
+    assert config.series_for("tenant-7") == ("group", "tenants")
+    assert config.series_for("tx") == ("group", "t-all")
+    assert config.series_for("smtp") == ("destination", "smtp")  # in no group
+
+
+def test_destination_series_keeps_named_destinations_apart(tmp_path: Path) -> None:
+    text = GROUPS + '\n[telemetry]\ndestination_series = ["tenant-vip", "tenant-eu-*"]\n'
+    config = load(tmp_path, text)
+    assert config.telemetry.destination_series == ("tenant-vip", "tenant-eu-*")
+    assert config.series_for("tenant-vip") == ("destination", "tenant-vip")
+    assert config.series_for("tenant-eu-3") == ("destination", "tenant-eu-3")
+    assert config.series_for("tenant-us-3") == ("group", "tenants")
+    assert Config().telemetry.destination_series == ()
+
+
+def test_destination_series_from_the_environment(tmp_path: Path) -> None:
+    environ = {"PACERD_TELEMETRY__DESTINATION_SERIES": "tenant-vip, tenant-eu-*"}
+    config = load(tmp_path, GROUPS, environ)
+    assert config.telemetry.destination_series == ("tenant-vip", "tenant-eu-*")
+    assert config.series_for("tenant-vip") == ("destination", "tenant-vip")
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ('"tenant-vip"', 'must be a list of names or globs, e.g. ["tenant-0042"]'),
+        ('["ok", 7]', 'must be a list of names or globs, e.g. ["tenant-0042"]'),
+        ('["tenant vip"]', "'tenant vip' must be a glob such as \"tenant-*\""),
+        ('["tenant-["]', "'tenant-[' has an unclosed or empty [...] set"),
+    ],
+)
+def test_bad_destination_series_is_a_problem(tmp_path: Path, value: str, why: str) -> None:
+    [problem] = problems(tmp_path, f"[telemetry]\ndestination_series = {value}\n")
+    assert problem.startswith("telemetry.destination_series")
+    assert why in problem
+
+
+def test_destination_series_needs_a_restart(tmp_path: Path) -> None:
+    old = load(tmp_path, GROUPS)
+    new = load(tmp_path, GROUPS + '\n[telemetry]\ndestination_series = ["tenant-vip"]\n')
+    assert reload_diff(old, new).needs_restart == ["telemetry.destination_series"]

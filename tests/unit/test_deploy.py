@@ -43,7 +43,7 @@ import opentelemetry.sdk.environment_variables as otel_env_sdk
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry
-from support.metrics import exercise_every_metric
+from support.metrics import exercise_every_metric, grouped_series
 from support.services import ADMIN_DSN, dsn_for, with_user
 
 from pacerd import cli, config, daemon, ledger, worker
@@ -658,11 +658,13 @@ def test_prometheus_config_passes_promtool(tmp_path: Path) -> None:
 
 def scrape_every_metric() -> dict[str, set[str]]:
     """Each Prometheus series name a telemetry instance exports, with its labels,
-    after recording a value for every metric pacerd has."""
+    after recording a value for every metric pacerd has, for a destination with
+    series of its own and for one whose series are its group's."""
     registry = CollectorRegistry()
     tel = setup_telemetry(
         "pacerd", "info", "json", metric_readers=[], prometheus=True,
         prometheus_registry=registry, log_stream=io.StringIO(), instance="h:1",
+        series=grouped_series,
     )  # fmt: skip
     try:
         exercise_every_metric(tel, "llm")

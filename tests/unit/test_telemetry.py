@@ -37,12 +37,13 @@ from opentelemetry.trace import SpanKind, StatusCode
 from pamqp.commands import Basic
 from pamqp.header import ContentHeader
 from prometheus_client import CollectorRegistry
-from support.metrics import exercise_every_metric
+from support.metrics import exercise_every_metric, grouped_series
 
 from pacerd import __version__
 from pacerd import telemetry as tm
 from pacerd.admission import TickResult, rejection_reason
 from pacerd.clock import ManualClock
+from pacerd.config import Config
 from pacerd.errors import PublishRejected
 from pacerd.models import ClaimedJob
 from pacerd.observer import TelemetryObserver
@@ -342,19 +343,26 @@ def test_prometheus_names_on_metrics(harness: Harness) -> None:
     tel = setup_telemetry(
         "pacerd", "info", "json", metric_readers=[], prometheus=True,
         prometheus_registry=registry, log_stream=io.StringIO(), instance="h:1",
+        series=grouped_series,
     )  # fmt: skip
     try:
         exercise_every_metric(tel)
-        names = {sample.name for family in registry.collect() for sample in family.samples}
+        samples = [sample for family in registry.collect() for sample in family.samples]
+        names = {sample.name for sample in samples}
     finally:
         tel.shutdown(timeout_seconds=2)
+    rates = {
+        (sample.labels.get("group", ""), sample.labels.get("destination", ""))
+        for sample in samples if sample.name == "pacerd_rate_per_second"
+    }  # fmt: skip
+    assert rates == {("", "mail"), ("tenants", "")}  # an empty label is no label
     assert {
         "pacerd_rate_per_second", "pacerd_admitted_total", "pacerd_refusals_total",
         "pacerd_inflight", "pacerd_due", "pacerd_oldest_due_age_seconds",
         "pacerd_drain_eta_seconds", "pacerd_leases_reclaimed_total", "pacerd_outcomes_total",
         "pacerd_dead", "pacerd_leader", "pacerd_paused", "pacerd_cooldown",
         "pacerd_publish_confirm_duration_seconds_bucket", "pacerd_publish_failures_total",
-        "pacerd_build_info",
+        "pacerd_build_info", "pacerd_destinations",
     } <= names  # fmt: skip
 
 
@@ -688,3 +696,174 @@ def test_observer_records_confirm_time_state_and_failures(harness: Harness) -> N
     ]  # fmt: skip
     assert isinstance(point, HistogramDataPoint)
     assert point.sum == 0.25
+
+
+# -- series per group ------------------------------------------------------------------
+
+TENANTS = frozenset({("group", "tenants")})
+
+
+def grouped_config() -> Config:
+    return Config.model_validate({
+        "groups": {"tenants": {"match": "tenant-*"}},
+        "telemetry": {"destination_series": ["tenant-vip"]},
+    })  # fmt: skip
+
+
+def tick(tel: Telemetry, destination: str, **figures: float | None) -> None:
+    values: dict[str, float | None] = {
+        "rate": 1.0, "budget": 1, "admitted": 0, "inflight": 0, "due": 0,
+        "oldest_due_age_seconds": None, "drain_eta_seconds": None, "refused": 0,
+    }  # fmt: skip
+    values.update(figures)
+    tel.record_tick(destination, **values)  # type: ignore[arg-type]
+
+
+def test_a_group_reports_one_series_summed_and_its_ages_at_their_maximum(
+    harness: Harness,
+) -> None:
+    tel = harness.telemetry
+    tel.set_series(grouped_config().series_for)
+    tick(
+        tel,
+        "tenant-1",
+        rate=2.0,
+        admitted=3,
+        inflight=1,
+        due=10,
+        oldest_due_age_seconds=5.0,
+        drain_eta_seconds=5.0,
+        refused=1,
+        duration_seconds=0.01,
+    )
+    tick(
+        tel,
+        "tenant-2",
+        rate=3.0,
+        admitted=4,
+        inflight=2,
+        due=4,
+        oldest_due_age_seconds=50.0,
+        drain_eta_seconds=1.5,
+        refused=2,
+        duration_seconds=0.02,
+    )
+    tick(tel, "tenant-vip", rate=7.0, due=1, oldest_due_age_seconds=9.0, drain_eta_seconds=0.5)
+    tick(tel, "mail", rate=2.5, due=2, oldest_due_age_seconds=1.0, drain_eta_seconds=2.0)
+    vip, mail = frozenset({("destination", "tenant-vip")}), frozenset({("destination", "mail")})
+    assert harness.points(tm.METRIC_RATE) == {TENANTS: 5.0, vip: 7.0, mail: 2.5}
+    assert harness.points(tm.METRIC_DUE) == {TENANTS: 14, vip: 1, mail: 2}
+    assert harness.points(tm.METRIC_INFLIGHT) == {TENANTS: 3, vip: 0, mail: 0}
+    assert harness.points(tm.METRIC_OLDEST_DUE_AGE) == {TENANTS: 50.0, vip: 9.0, mail: 1.0}
+    assert harness.points(tm.METRIC_DRAIN_ETA) == {TENANTS: 5.0, vip: 0.5, mail: 2.0}
+    assert harness.points(tm.METRIC_ADMITTED) == {TENANTS | {("mode", "active")}: 7}
+    assert harness.points(tm.METRIC_REFUSALS) == {TENANTS: 3}
+    assert harness.points(tm.METRIC_TICK_DURATION) == {TENANTS: 2}
+
+
+def test_a_group_counts_its_paused_cooling_led_and_known_destinations(
+    harness: Harness,
+) -> None:
+    tel = harness.telemetry
+    tel.set_series(grouped_config().series_for)
+    tel.record_admission_state("tenant-1", paused=True, paused_locally=False, cooldown=False)
+    tel.record_admission_state("tenant-2", paused=True, paused_locally=True, cooldown=True)
+    tel.record_admission_state("tenant-3", paused=False, paused_locally=False, cooldown=True)
+    tel.record_admission_state("mail", paused=False, paused_locally=False, cooldown=True)
+    tel.record_leadership({"tenant-1": True, "tenant-2": False, "tenant-3": True, "mail": True})
+    for destination, dead in (("tenant-1", 2), ("tenant-2", 5), ("mail", 1)):
+        tel.record_dead(destination, dead)
+    tel.record_publish("tenant-1", confirm_seconds=0.01, nacked=1)
+    tel.record_publish("tenant-2", confirm_seconds=0.02, nacked=2, timeouts=1)
+    mail = frozenset({("destination", "mail")})
+    assert harness.points(tm.METRIC_PAUSED) == {
+        TENANTS | {("scope", "ledger")}: 2, TENANTS | {("scope", "local")}: 1,
+        mail | {("scope", "ledger")}: 0, mail | {("scope", "local")}: 0,
+    }  # fmt: skip
+    assert harness.points(tm.METRIC_COOLDOWN) == {TENANTS: 2, mail: 1}
+    assert harness.points(tm.METRIC_LEADER) == {TENANTS: 2, mail: 1}
+    assert harness.points(tm.METRIC_DESTINATIONS) == {TENANTS: 3}  # a group's only
+    assert harness.points(tm.METRIC_DEAD) == {TENANTS: 7, mail: 1}
+    assert harness.points(tm.METRIC_PUBLISH_CONFIRM) == {TENANTS: 2}
+    assert harness.points(tm.METRIC_PUBLISH_FAILURES) == {
+        TENANTS | {("reason", "nacked")}: 3, TENANTS | {("reason", "timeout")}: 1,
+    }  # fmt: skip
+
+
+def test_the_series_rule_is_a_setup_argument() -> None:
+    reader = InMemoryMetricReader()
+    tel = setup_telemetry(
+        "pacerd-test", "info", "json", metric_readers=[reader],
+        span_exporter=InMemorySpanExporter(), log_stream=io.StringIO(),
+        series=grouped_config().series_for,
+    )  # fmt: skip
+    try:
+        tick(tel, "tenant-1", rate=2.0)
+        tick(tel, "tenant-2", rate=3.0)
+        assert tel.latest.collect(tm.METRIC_RATE) == {(("group", "tenants"),): 5.0}
+    finally:
+        tel.shutdown(timeout_seconds=2)
+
+
+def test_a_new_series_rule_applies_to_what_was_recorded(harness: Harness) -> None:
+    tel = harness.telemetry
+    tick(tel, "tenant-1", rate=2.0)
+    tick(tel, "tenant-2", rate=3.0)
+    assert len(harness.points(tm.METRIC_RATE)) == 2  # the default: a series each
+    tel.set_series(grouped_config().series_for)
+    assert harness.points(tm.METRIC_RATE) == {TENANTS: 5.0}
+
+
+def test_group_gauges_keep_their_value_between_delta_collections() -> None:
+    delta: dict[type, AggregationTemporality] = {
+        ObservableGauge: AggregationTemporality.DELTA, SyncGauge: AggregationTemporality.DELTA,
+    }  # fmt: skip
+    reader = InMemoryMetricReader(preferred_temporality=delta)
+    tel = setup_telemetry(
+        "pacerd-test", "info", "json", metric_readers=[reader],
+        span_exporter=InMemorySpanExporter(), log_stream=io.StringIO(),
+        series=grouped_config().series_for,
+    )  # fmt: skip
+    try:
+        tick(tel, "tenant-1", rate=2.0, due=3, oldest_due_age_seconds=4.0)
+        tick(tel, "tenant-2", rate=1.0, due=1, oldest_due_age_seconds=8.0)
+        tel.record_dead("tenant-1", 3)
+        first, second = _collected(reader), _collected(reader)
+    finally:
+        tel.shutdown(timeout_seconds=2)
+    assert first[tm.METRIC_RATE] == 3.0
+    assert first[tm.METRIC_OLDEST_DUE_AGE] == 8.0
+    for name in (tm.METRIC_RATE, tm.METRIC_DUE, tm.METRIC_OLDEST_DUE_AGE, tm.METRIC_DEAD):
+        assert second[name] == first[name], name
+
+
+def test_a_forgotten_destination_leaves_its_group_and_no_memory(harness: Harness) -> None:
+    tel = harness.telemetry
+    tel.set_series(grouped_config().series_for)
+    names = [f"tenant-{n:05}" for n in range(2000)]
+    for n, destination in enumerate(names):
+        tick(tel, destination, rate=1.0, due=1, oldest_due_age_seconds=float(n))
+        tel.record_dead(destination, 1)
+    tel.record_leadership(dict.fromkeys(names, True))
+    assert harness.points(tm.METRIC_RATE) == {TENANTS: 2000.0}
+    assert harness.points(tm.METRIC_OLDEST_DUE_AGE) == {TENANTS: 1999.0}
+    for destination in names[1000:]:
+        tel.forget_destination(destination)  # no longer led: the ledger's counts stay
+    assert harness.points(tm.METRIC_RATE) == {TENANTS: 1000.0}
+    assert harness.points(tm.METRIC_OLDEST_DUE_AGE) == {TENANTS: 999.0}
+    assert harness.points(tm.METRIC_DEAD) == {TENANTS: 2000}
+    assert harness.points(tm.METRIC_LEADER) == {TENANTS: 2000}
+    assert tel.latest.destinations() == 2000
+    for destination in names:
+        tel.forget_destination(destination, everything=True)
+    assert tel.latest.destinations() == 0
+    for name in (tm.METRIC_RATE, tm.METRIC_DEAD, tm.METRIC_LEADER, tm.METRIC_DESTINATIONS):
+        assert harness.points(name) == {}, name
+
+
+def test_a_drain_eta_no_longer_known_is_no_longer_reported(harness: Harness) -> None:
+    tel = harness.telemetry
+    tick(tel, "mail", due=10, drain_eta_seconds=4.0)
+    assert harness.points(tm.METRIC_DRAIN_ETA) == {frozenset({("destination", "mail")}): 4.0}
+    tick(tel, "mail", due=0, drain_eta_seconds=None)  # drained
+    assert harness.points(tm.METRIC_DRAIN_ETA) == {}
