@@ -57,6 +57,7 @@ class _Batch(Generic[_K, _R]):
     done: anyio.Event = field(default_factory=anyio.Event)
     results: list[_R] | None = None
     error: BaseException | None = None
+    abandoned: list[int] = field(default_factory=list)  # callers gone before the results
 
 
 class Coalescer(Generic[_K, _R]):
@@ -96,7 +97,9 @@ class Coalescer(Generic[_K, _R]):
             try:
                 await batch.done.wait()
             except BaseException:
-                if batch.results is not None and self._on_abandoned is not None:
+                if batch.results is None:
+                    batch.abandoned.append(index)  # the runner hands its result back
+                elif self._on_abandoned is not None:
                     with anyio.CancelScope(shield=True):
                         await self._on_abandoned(key, batch.results[index])
                 raise
@@ -118,9 +121,18 @@ class Coalescer(Generic[_K, _R]):
                 batch.error = exc
             finally:
                 batch.done.set()
-            if cancelled is not None and batch.results is not None and self._on_abandoned:
-                await self._on_abandoned(key, batch.results[0])
+            if batch.results is not None and self._on_abandoned is not None:
+                for index in batch.abandoned:
+                    await self._on_abandoned(batch.keys[index], batch.results[index])
+        if cancelled is None:
+            try:  # cancelled while the statement ran: as if it had waited
+                await anyio.lowlevel.checkpoint()
+            except BaseException as exc:
+                cancelled = exc
         if cancelled is not None:
+            if batch.results is not None and self._on_abandoned is not None:
+                with anyio.CancelScope(shield=True):
+                    await self._on_abandoned(key, batch.results[0])
             raise cancelled
         return self._result(batch, 0)
 

@@ -14,7 +14,6 @@ modules catches a driver error. Each class docstring is its default message.
     │   ├── PublishRejected
     │   ├── PublishTimeout
     │   └── BrokerUnavailable
-    └── LeadershipLost
 """
 
 from __future__ import annotations
@@ -68,6 +67,3 @@ class PublishTimeout(PublishError):
 class BrokerUnavailable(PublishError):
     """The broker (RabbitMQ) cannot be reached."""
 
-
-class LeadershipLost(PacerdError):
-    """This instance no longer leads the destination."""

@@ -1,7 +1,8 @@
 """The operations HTTP endpoint: ``/livez``, ``/readyz``, ``/healthz``, ``/metrics``.
 
 Owns a tiny HTTP/1.1 server (anyio streams, no framework) bound to
-``[telemetry] http_address`` and the ``TickProgress`` liveness check:
+``[telemetry] http_address``; the daemon passes its checks (liveness: the
+tick loop and every destination it runs passed recently):
 
     GET /livez     liveness only: 200 while the tick loop makes progress, 503 when it
                    is stuck (restart the process). A lost broker or ledger does not
@@ -28,7 +29,6 @@ import json
 from collections.abc import Callable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import anyio
 import anyio.to_thread
@@ -37,10 +37,7 @@ from anyio.abc import SocketAttribute, SocketStream, TaskStatus
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-if TYPE_CHECKING:
-    from pacerd.clock import Clock
-
-__all__ = ["CheckResult", "HealthCheck", "TickProgress", "parse_address", "serve_health"]
+__all__ = ["CheckResult", "HealthCheck", "parse_address", "serve_health"]
 
 _log = structlog.get_logger(__name__)
 
@@ -61,30 +58,6 @@ class CheckResult:
 
 # A check returns a CheckResult, a bare bool, or (ok, data) with JSON-able data.
 HealthCheck = Callable[[], "CheckResult | bool | tuple[bool, Mapping[str, object]]"]
-
-
-class TickProgress:
-    """Liveness from tick progress: ``mark()`` after every completed pass.
-
-    Alive until ``stale_after_seconds`` pass without a mark (before the first
-    mark, counted from construction, so start-up has the same allowance).
-    """
-
-    def __init__(self, clock: Clock, *, stale_after_seconds: float) -> None:
-        self._clock = clock
-        self._stale_after_seconds = stale_after_seconds
-        self._last = clock.monotonic()
-        self._marked = False
-
-    def mark(self) -> None:
-        self._last = self._clock.monotonic()
-        self._marked = True
-
-    def __call__(self) -> CheckResult:
-        age = self._clock.monotonic() - self._last
-        what = "last tick" if self._marked else "start, no tick yet"
-        detail = f"{what} {age:.1f}s ago (limit {self._stale_after_seconds:g}s)"
-        return CheckResult(ok=age <= self._stale_after_seconds, detail=detail)
 
 
 def parse_address(address: str) -> tuple[str | None, int]:

@@ -36,7 +36,15 @@ from pacerd.roles import RoleNames, grants_sql
 
 if TYPE_CHECKING:
     import datetime as dt
-    from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+    from collections.abc import (
+        AsyncIterator,
+        Awaitable,
+        Callable,
+        Iterable,
+        Iterator,
+        Mapping,
+        Sequence,
+    )
 
 
 Conn = asyncpg.Connection | PoolConnectionProxy
@@ -315,6 +323,20 @@ class Ledger:
         with translate_errors():
             async with self.pool.acquire() as conn, conn.transaction():
                 yield conn
+
+    async def prepare(self, retry: RetrySettings, destinations: Iterable[str]) -> None:
+        """What ``pacerd run`` needs of the ledger before it starts: migrated
+        (else ``MigrationError``), the SQL API's limits stored from the
+        config, and the configured destinations registered."""
+        pending = await pending_migrations(self.pool)
+        if pending:
+            raise MigrationError(
+                f"the ledger schema is not up to date ({', '.join(pending)} pending):"
+                " run `pacerd migrate` first"
+            )
+        await self.write_settings(settings_from_retry(retry))
+        for destination in destinations:
+            await self.ensure_destination(destination)
 
     async def claim_due(
         self,

@@ -105,6 +105,7 @@ class TickLoop:
         self.tick_seconds = tick_seconds
         self.forget = forget
         self.active: dict[str, _Active] = {}
+        self.seen: dict[str, int] = {}  # every destination run here, and its partition
         self._ended = anyio.Event()  # set when a destination's task ends
         self.last_pass = clock.monotonic()
         self.passes = 0
@@ -175,6 +176,7 @@ class TickLoop:
         )
         entry = _Active(admission=admission, partition=partition, last_pass=self.clock.monotonic())
         self.active[destination] = entry
+        self.seen[destination] = partition
         tg.start_soon(self._run_destination, destination, entry)
 
     async def _run_destination(self, destination: str, entry: _Active) -> None:

@@ -188,7 +188,7 @@ async def test_queues_are_declared_once_per_broker_connection(db_dsn: str, amqp_
             # group's routing key, so it is not admitted
             await schedule_many(db_dsn, group, 1, prefix=group)
             await wait_passes(daemon, passes, 3)
-            assert group in daemon._shadows
+            assert group in daemon.supervisor.shadows
             assert group not in loop.active
             assert await queue_depth(amqp_url, f"pacerd.ready.{group}") == 0
             assert daemon.broker.declarations == 3

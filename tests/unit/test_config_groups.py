@@ -192,7 +192,7 @@ def test_a_ledger_destination_named_like_a_group_outside_it_is_not_admitted(
     names = ["smtp", "t-all", "tenant-1", "tenants"]
     with structlog.testing.capture_logs() as events:
         for _ in range(2):
-            admitted = [n for n in names if daemon._route(n) is not None]
+            admitted = [n for n in names if daemon.supervisor.route(n) is not None]
             assert admitted == ["smtp", "t-all", "tenant-1"]
     refused = [e for e in events if e["event"] == "destination_not_admitted"]
     assert [e["destination"] for e in refused] == ["tenants"]

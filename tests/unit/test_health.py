@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from pacerd.clock import ManualClock
 from pacerd.config import load_config
 from pacerd.daemon import Daemon
-from pacerd.health import CheckResult, HealthCheck, TickProgress, parse_address, serve_health
+from pacerd.health import CheckResult, HealthCheck, parse_address, serve_health
 from pacerd.telemetry import Telemetry
 
 if TYPE_CHECKING:
@@ -149,18 +149,6 @@ async def test_other_paths_and_methods() -> None:
     assert (missing, post, garbage, head_status) == (404, 405, 400, 200)
     assert int(head_headers["Content-Length"]) > 0
     assert head_body == b""
-
-
-def test_tick_progress() -> None:
-    clock = ManualClock()
-    progress = TickProgress(clock, stale_after_seconds=30)
-    assert progress().ok
-    clock.advance(31)
-    assert not progress().ok
-    progress.mark()
-    result = progress()
-    assert result.ok
-    assert "last tick 0.0s ago" in result.detail
 
 
 @pytest.mark.parametrize(

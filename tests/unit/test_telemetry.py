@@ -867,3 +867,40 @@ def test_a_drain_eta_no_longer_known_is_no_longer_reported(harness: Harness) -> 
     assert harness.points(tm.METRIC_DRAIN_ETA) == {frozenset({("destination", "mail")}): 4.0}
     tick(tel, "mail", due=0, drain_eta_seconds=None)  # drained
     assert harness.points(tm.METRIC_DRAIN_ETA) == {}
+
+
+def test_observer_records_each_ticks_duration(harness: Harness) -> None:
+    clock = ManualClock()
+    observer = TelemetryObserver(harness.telemetry, clock)
+    for _ in range(3):
+        with observer.tick_span("mail", shadow=False):
+            clock.advance(0.125)
+            observer.tick_completed(TickResult(destination="mail", rate=1.0, budget=1))
+    mail = frozenset({("destination", "mail")})
+    assert harness.points(tm.METRIC_TICK_DURATION) == {mail: 3}
+
+
+async def test_the_reconciler_runs_when_told_in_a_reconcile_span(harness: Harness) -> None:
+    from pacerd.reconciler import Reconciler, ReconcilerConfig
+
+    clock = ManualClock(autojump=True)
+    allowed = [False, True, True]
+    runs: list[int] = []
+    scope = anyio.CancelScope()
+
+    class Ledger:  # the one statement a pass makes
+        async def reclaim_expired(self, *, limit: int) -> list[object]:
+            runs.append(limit)
+            if len(runs) == 2:
+                scope.cancel()
+            return []
+
+    reconciler = Reconciler(
+        ledger=Ledger(), clock=clock,  # type: ignore[arg-type]
+        config=ReconcilerConfig(interval_seconds=1.0, batch_size=7),
+        telemetry=harness.telemetry, should_run=lambda: allowed.pop(0) if allowed else True,
+    )  # fmt: skip
+    with scope:
+        await reconciler.run()
+    assert runs == [7, 7]  # the first pass was skipped: should_run said no
+    assert tm.SPAN_RECONCILE in harness.finished()
