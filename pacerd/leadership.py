@@ -372,6 +372,7 @@ class Leadership:
     ) -> None:
         """One pass of the policy (see the module's docstring)."""
         self.passes += 1
+        log.debug("supervisor_pass", supervisor_pass=self.passes)
         now = self.clock.monotonic()
         if broker_connected:
             self._broker_down_since = None
