@@ -105,6 +105,11 @@ class LeaderLocks:
         conn = self._conn
         return None if conn is None or conn.is_closed() else conn.get_server_pid()
 
+    @property
+    def trusted_until(self) -> float:
+        """Until when (monotonic) this side trusts its locks without a new probe."""
+        return self._confirmed_at + self.lease_seconds
+
     def _session_ok(self) -> bool:
         conn = self._conn
         if conn is None or conn.is_closed():

@@ -232,10 +232,14 @@ class TickLoop:
                     )
                     entry.scope.cancel()
             changed = locks.changed()
-            with anyio.move_on_after(locks.lease_seconds / 4):
+            quarter = locks.lease_seconds / 4
+            left = locks.trusted_until - self.clock.monotonic()
+            with anyio.move_on_after(min(quarter, left) if left > 0 else quarter):
                 await changed.wait()
-            if self.active:
-                await locks.renew()
+            if self.active:  # renewed within the lease: a lapse is seen when it happens
+                left = locks.trusted_until - self.clock.monotonic()
+                with anyio.move_on_after(left if left > 0 else quarter):
+                    await locks.renew()
 
     # -- health and reload -------------------------------------------------------------
 
