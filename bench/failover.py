@@ -4,10 +4,11 @@ takeover admits more than the budget.
 
     .venv/bin/python bench/failover.py --kills 10 --tick 1.0 --rate 40
 
-Two `pacerd run` instances lead/stand by for one destination with a deep
-backlog and a worker pool reporting `ok`; each round kills the leader with
-SIGKILL and starts a fresh standby. Takeover time = the new leader's first
-claim (`pacerd.job_events`, database clock) minus the kill (same host clock).
+Two `pacerd run` instances lead/stand by for one destination (the ledger has
+one partition, its own) with a deep backlog and a worker pool reporting `ok`;
+each round kills the leader with SIGKILL and starts a fresh standby. Takeover
+time = the new leader's first claim (`pacerd.job_events`, database clock)
+minus the kill (same host clock).
 Per-tick admission = a tick's claims over its logged budget (at most 1 by
 construction: a tick never claims past its budget). The upstream's view, which
 can exceed it: the claims of every instance in any one second of wall time
@@ -50,6 +51,7 @@ from ha_helpers import (  # the e2e helpers: instances, ledger queries
     leaders,
     ok_workers,
     schedule_backlog,
+    set_partitions,
 )
 
 from bench import common
@@ -124,6 +126,9 @@ async def run(args: argparse.Namespace) -> int:
     rows: list[Round] = []
     try:
         await ledger.migrate(dsn)
+        # One partition, the destination's: the other instance is its standby,
+        # not the leader of half the partitions.
+        await set_partitions(dsn, 1)
         await schedule_backlog(dsn, destination, int(args.rate * (args.kills * 12 + 30)))
         pacing = Pacing(
             tick_seconds=tick,
@@ -145,7 +150,7 @@ async def run(args: argparse.Namespace) -> int:
                             while (leader := (await leaders(dsn))[destination][0]) is None:  # noqa: ASYNC110 (polls the ledger)
                                 await anyio.sleep(0.05)
                         victim = cluster.instances[leader]
-                        await victim.wait_event("admission_leading", destination=destination)
+                        await victim.wait_event("destination_active", destination=destination)
                         # busy at its persisted rate; a random phase, so that the
                         # kill is not in step with the standby's supervisor pass
                         await anyio.sleep(3 * tick + rng.uniform(0, tick))

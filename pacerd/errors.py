@@ -66,4 +66,3 @@ class PublishTimeout(PublishError):
 
 class BrokerUnavailable(PublishError):
     """The broker (RabbitMQ) cannot be reached."""
-

@@ -1,7 +1,15 @@
 """Helpers for the high-availability tests and the failover benchmark:
 `pacerd run` instances (``support.daemon``, JSON debug logs), the model upstream
 behind the worker library, and the ledger queries that check one budget per
-destination whatever happens to the instances."""
+destination whatever happens to the instances.
+
+Leadership is by partition (``pacerd.leadership``): an instance leads
+partitions, and the destinations hashed into them. A test that checks
+leadership per destination sets the ledger's partitions to the number of its
+destinations before any instance starts, and names them so that each falls
+into a partition of its own (``names_in_partitions``): one leader per
+partition is then one leader per destination, and a takeover of a partition
+is the takeover of its one destination."""
 
 from __future__ import annotations
 
@@ -9,6 +17,7 @@ import contextlib
 import itertools
 import json
 import signal
+import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -18,6 +27,8 @@ import asyncpg
 from support.daemon import Daemon, utcnow
 from support.records import TICK_EVENT
 
+from pacerd.leadership import LEADER_NAMESPACE
+from pacerd.ledger import Ledger
 from pacerd.testing.upstream import CapacitySchedule, ModelUpstream, UpstreamParams
 from pacerd.worker import Job, Worker, WorkerApp
 from pacerd_demo.app import call_upstream, new_client
@@ -26,8 +37,6 @@ if TYPE_CHECKING:
     import datetime as dt
     from collections.abc import AsyncIterator, Iterable, Sequence
     from pathlib import Path
-
-LEADER_NAMESPACE = 0x70616365  # pacerd.leadership.LEADER_NAMESPACE
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -208,15 +217,15 @@ async def takeover_from(
 
 
 async def next_acquisition(
-    instances: Iterable[Daemon], destination: str, *, after: dt.datetime, within: float
+    instances: Iterable[Daemon], partition: int, *, after: dt.datetime, within: float
 ) -> tuple[Daemon, dict[str, Any]]:
-    """The first instance to acquire ``destination`` after ``after``, and its record."""
+    """The first instance to acquire ``partition`` after ``after``, and its record."""
     with anyio.fail_after(within):
         while True:
             found = [
                 (e["at"], i.name, i, e)
                 for i in instances
-                for e in i.events("leadership_acquired", destination=destination)
+                for e in i.events("leadership_acquired", partition=partition)
                 if e["at"] > after
             ]
             if found:
@@ -225,11 +234,11 @@ async def next_acquisition(
             await anyio.sleep(0.05)
 
 
-def acquisition(instance: Daemon, destination: str, *, after: dt.datetime) -> dict[str, Any]:
-    """The first `leadership_acquired` record of ``destination`` by ``instance`` after ``after``."""
-    found = instance.events("leadership_acquired", destination=destination)
+def acquisition(instance: Daemon, partition: int, *, after: dt.datetime) -> dict[str, Any]:
+    """The first `leadership_acquired` record of ``partition`` by ``instance`` after ``after``."""
+    found = instance.events("leadership_acquired", partition=partition)
     later = [e for e in found if e["at"] > after]
-    assert later, f"{instance.name} never acquired {destination} after {after}: {found}"
+    assert later, f"{instance.name} never acquired partition {partition} after {after}: {found}"
     return later[0]
 
 
@@ -238,13 +247,18 @@ def passes_before(instance: Daemon, acquired: dict[str, Any], *, after: dt.datet
     cut) and before the pass that logged ``acquired``: the daemon's own count,
     not a wall-clock margin. A standby takes a freed lock on its next pass, so
     this is 0, or 1 when that pass began before the server had noticed the
-    dead session and freed the lock."""
+    dead session and freed the lock. The count needs the daemon's record of
+    each pass (`supervisor_pass`, docs/ha.md): without any, it would be 0 for
+    every takeover, however late."""
     n = acquired["supervisor_pass"]
-    return sum(
-        1
-        for e in instance.events("supervisor_pass")
-        if e["at"] > after and e["supervisor_pass"] < n
+    passes = instance.events("supervisor_pass")
+    assert passes, (
+        f"{instance.name} logged no `supervisor_pass` record: its passes cannot be counted"
     )
+    assert any(e["supervisor_pass"] >= n for e in passes), (
+        f"{instance.name} logged no `supervisor_pass` record for its pass {n} ({acquired})"
+    )
+    return sum(1 for e in passes if e["at"] > after and e["supervisor_pass"] < n)
 
 
 def handoffs(groups: Sequence[ClaimGroup]) -> list[tuple[ClaimGroup, ClaimGroup]]:
@@ -305,7 +319,8 @@ def assert_claims_within_budgets(
 
 
 async def lock_holder_pid(dsn: str, name: str) -> int | None:
-    """The backend holding the leadership lock of ``name``."""
+    """The backend holding the leadership lock of ``name`` (a partition's:
+    ``pacerd.leadership.partition_lock``)."""
     conn = await asyncpg.connect(dsn)
     try:
         pid: int | None = await conn.fetchval(
@@ -322,12 +337,68 @@ async def lock_holder_pid(dsn: str, name: str) -> int | None:
 
 
 async def leaders(dsn: str) -> dict[str, tuple[str | None, dt.datetime | None]]:
+    """Who leads each destination, and since when: the leader its partition
+    records (``pacerd.partitions``), as `pacerd status` shows it."""
     conn = await asyncpg.connect(dsn)
     try:
-        rows = await conn.fetch("SELECT destination, leader, leader_since FROM pacerd.destinations")
+        rows = await conn.fetch(
+            "SELECT d.destination, p.leader, p.leader_since FROM pacerd.destinations d"
+            " LEFT JOIN pacerd.partitions p ON p.partition = d.partition"
+        )
     finally:
         await conn.close()
     return {r["destination"]: (r["leader"], r["leader_since"]) for r in rows}
+
+
+async def set_partitions(dsn: str, partitions: int) -> None:
+    """Sets how many partitions the ledger's destinations hash into (refused
+    while an instance runs on it: set it before starting any)."""
+    led = await Ledger.connect(dsn, max_size=1)
+    try:
+        await led.set_partitions(partitions)
+        assert await led.read_partitions() == partitions
+    finally:
+        await led.close()
+
+
+async def names_in_partitions(dsn: str, prefix: str, n: int) -> list[str]:
+    """Sets the ledger's partitions to ``n`` and returns ``n`` destination
+    names, the i-th in partition i (``pacerd._partition_of``, the hash the
+    ledger places destinations with), drawn as ``<prefix>-<random hex>``."""
+    await set_partitions(dsn, n)
+    found: dict[int, str] = {}
+    conn = await asyncpg.connect(dsn)
+    try:
+        while len(found) < n:
+            candidates = [f"{prefix}-{uuid.uuid4().hex[:8]}" for _ in range(4 * n)]
+            rows = await conn.fetch(
+                "SELECT c.name, pacerd._partition_of(c.name, $2) AS partition"
+                " FROM unnest($1::text[]) AS c(name)",
+                candidates,
+                n,
+            )
+            for r in rows:
+                found.setdefault(r["partition"], r["name"])
+    finally:
+        await conn.close()
+    return [found[p] for p in range(n)]
+
+
+async def partitions_of(dsn: str, destinations: Iterable[str]) -> dict[str, int]:
+    """The partition the ledger stored for each of ``destinations`` (each must exist)."""
+    names = list(destinations)
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch(
+            "SELECT destination, partition FROM pacerd.destinations"
+            " WHERE destination = ANY ($1::text[])",
+            names,
+        )
+    finally:
+        await conn.close()
+    placed = {r["destination"]: r["partition"] for r in rows}
+    assert set(placed) == set(names), f"unknown destinations: {set(names) - set(placed)}"
+    return placed
 
 
 async def schedule_backlog(dsn: str, destination: str, n: int) -> None:

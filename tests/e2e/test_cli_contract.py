@@ -1,7 +1,8 @@
 """`pacerd migrate`, `pacerd run` and `pacerd check-config` as processes,
 against the real services: the first two store the `[retry]` limits in
-`pacerd.settings`, where every caller's SQL function reads them; the last
-changes nothing, in the ledger or on the broker."""
+`pacerd.settings`, where every caller's SQL function reads them (and
+`migrate --partitions` the number of partitions, which `run` keeps); the
+last changes nothing, in the ledger or on the broker."""
 
 from __future__ import annotations
 
@@ -89,9 +90,9 @@ async def test_migrate_and_run_store_the_retry_limits(
     first = _config(
         tmp_path / "migrate.toml", dsn=empty_db_dsn, amqp_url=amqp_url, retry=MIGRATE_LIMITS
     )
-    done = _pacerd("migrate", "-c", str(first))
+    done = _pacerd("migrate", "--partitions", "8", "-c", str(first))
     assert done.returncode == 0, done.stderr
-    assert await _settings(empty_db_dsn) == MIGRATE_LIMITS
+    assert await _settings(empty_db_dsn) == {**MIGRATE_LIMITS, "partitions": 8}
     # The SQL functions enforce what was stored.
     assert "12345" in await _schedule(empty_db_dsn, "too-big", 13000)
     assert await _schedule(empty_db_dsn, "fits", 5000) == "scheduled"
@@ -103,7 +104,7 @@ async def test_migrate_and_run_store_the_retry_limits(
         rejected = await _schedule(empty_db_dsn, "now-too-big", 5000)
         instance.send(signal.SIGTERM)
         assert await instance.wait_exit(within=30) == 0
-    assert stored == RUN_LIMITS
+    assert stored == {**RUN_LIMITS, "partitions": 8}  # run reads the partitions, never sets them
     assert "2000" in rejected
     conn = await asyncpg.connect(empty_db_dsn)
     try:

@@ -2,14 +2,18 @@
 one leader per destination, destinations spread, one budget per destination
 whatever happens to the instances — a drain by three instances, kill -9 of a
 leader and of the reconciler's instance, a terminated lock session, and a
-network partition through a proxy."""
+network partition through a proxy.
+
+Leadership is by partition: each test sets the ledger's partitions to the
+number of its destinations and names them one per partition
+(``names_in_partitions``), so that leading, handing over and taking over a
+partition is leading, handing over and taking over its one destination."""
 
 from __future__ import annotations
 
 import datetime as dt
 import json
 import sys
-import uuid
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
@@ -28,8 +32,10 @@ from ha_helpers import (
     first_claim_after,
     leaders,
     lock_holder_pid,
+    names_in_partitions,
     next_acquisition,
     ok_workers,
+    partitions_of,
     passes_before,
     schedule_backlog,
     takeover_from,
@@ -40,6 +46,8 @@ from support.daemon import utcnow
 from support.proxy import FaultProxy
 from support.services import with_port
 
+from pacerd.leadership import partition_lock
+
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
     from pathlib import Path
@@ -47,9 +55,17 @@ if TYPE_CHECKING:
 pytestmark = [pytest.mark.services, pytest.mark.timeout(60)]
 
 
-def _names(prefix: str, n: int) -> list[str]:
-    run = uuid.uuid4().hex[:6]
-    return [f"{prefix}{run}-{i}" for i in range(1, n + 1)]
+async def _names(dsn: str, prefix: str, n: int) -> list[str]:
+    """``n`` destinations, the i-th alone in partition i of ``n`` (set on the
+    ledger before any instance starts)."""
+    return await names_in_partitions(dsn, prefix, n)
+
+
+async def _placed(dsn: str, destinations: list[str]) -> dict[str, int]:
+    """The destinations' partitions as the ledger stored them: one each, in order."""
+    placed = await partitions_of(dsn, destinations)
+    assert placed == {d: i for i, d in enumerate(destinations)}, placed
+    return placed
 
 
 @pytest.fixture
@@ -64,11 +80,12 @@ async def cluster(db_dsn: str, amqp_url: str, tmp_path: Path) -> AsyncIterator[C
 async def test_three_instances_drain_four_destinations_one_budget_each(
     cluster: Cluster, db_dsn: str, amqp_url: str
 ) -> None:
-    destinations = _names("ha", 4)
+    destinations = await _names(db_dsn, "ha", 4)
     cluster.pacing = Pacing(tick_seconds=0.25, initial_rate=10, max_rate=200)
     per_destination = 60
     for d in destinations:
         await schedule_backlog(db_dsn, d, per_destination)
+    await _placed(db_dsn, destinations)
     total = per_destination * len(destinations)
     try:
         async with upstream_workers(amqp_url, destinations, capacity=30) as ups:
@@ -104,8 +121,9 @@ async def test_three_instances_drain_four_destinations_one_budget_each(
     assert max(led.count(i) for i in set(led)) <= 2, final_leaders
     assert len({g.by for g in groups}) >= 2
     # No flapping: leadership moved only while the instances were joining —
-    # the first one may take all four, then sheds to its fair share (two
-    # handovers at most), and each handover is one acquisition elsewhere.
+    # the first one may take all four partitions (one destination each), then
+    # sheds to its fair share (two handovers at most), and each handover is one
+    # acquisition elsewhere.
     events = {
         name: [e for i in instances for e in i.events(name)]
         for name in ("leadership_acquired", "leadership_handover_started", "leadership_lost")
@@ -116,33 +134,35 @@ async def test_three_instances_drain_four_destinations_one_budget_each(
     assert len(handovers) <= 2, events
     assert all(e["instances"] > 1 for e in handovers), events
     assert len(acquired) == len(destinations) + len(handovers), events
+    assert {e["partition"] for e in acquired} == set(range(len(destinations))), events
 
 
 async def test_kill_9_of_a_leader_then_of_the_reconciler_instance(
     cluster: Cluster, db_dsn: str, amqp_url: str
 ) -> None:
-    d1, d2 = _names("kill", 2)
+    d1, d2 = await _names(db_dsn, "kill", 2)
     tick = 0.5
     cluster.pacing = Pacing(tick_seconds=tick, initial_rate=5, max_rate=50, claim_seconds=2)
     n = 500
     for d in (d1, d2):
         await schedule_backlog(db_dsn, d, n)
+    partition = await _placed(db_dsn, [d1, d2])
     try:
         async with ok_workers(amqp_url, [d1, d2]):
             first = cluster.start("k-1")
             await first.wait_event("leadership_acquired", role="reconciler")
             for d in (d1, d2):
-                await first.wait_event("admission_leading", destination=d)
+                await first.wait_event("destination_active", destination=d)
             others = [cluster.start("k-2"), cluster.start("k-3")]
             for o in others:
                 await o.wait_event("leadership_session_connected", within=30)
-            # Fair share is now ceil(2 / 3) = 1: k-1 hands over the sorted-last destination.
-            await first.wait_event("leadership_released", destination=d2)
+            # Fair share is now ceil(2 / 3) = 1: k-1 hands over its last partition, d2's.
+            await first.wait_event("leadership_released", partition=partition[d2])
             with anyio.fail_after(10):
                 while (leader := (await leaders(db_dsn))[d2][0]) in (None, "k-1"):
                     await anyio.sleep(0.05)
             victim = cluster.instances[leader]
-            await victim.wait_event("admission_leading", destination=d2)
+            await victim.wait_event("destination_active", destination=d2)
             await anyio.sleep(4 * tick)  # busy, at its full rate
 
             killed_1 = victim.kill9()
@@ -171,7 +191,7 @@ async def test_kill_9_of_a_leader_then_of_the_reconciler_instance(
     for killed, took in ((killed_1, took_2), (killed_2, took_1)):
         assert took.at > killed
         taker = cluster.instances[took.by]
-        acquired = acquisition(taker, took.destination, after=killed)
+        acquired = acquisition(taker, partition[took.destination], after=killed)
         assert passes_before(taker, acquired, after=killed) <= 1, (killed, acquired)
         assert took.at >= acquired["at"] + dt.timedelta(seconds=tick - 0.005), (acquired, took)
     assert reconciler["at"] > killed_2
@@ -214,19 +234,20 @@ async def test_kill_9_of_a_leader_then_of_the_reconciler_instance(
 async def test_a_leader_whose_lock_session_ends_stops_before_anyone_starts(
     cluster: Cluster, db_dsn: str, amqp_url: str
 ) -> None:
-    (d,) = _names("term", 1)
+    (d,) = await _names(db_dsn, "term", 1)
     tick = 0.5
     cluster.pacing = Pacing(tick_seconds=tick, initial_rate=5, max_rate=60, claim_seconds=2)
     n = 500
     await schedule_backlog(db_dsn, d, n)
+    partition = (await _placed(db_dsn, [d]))[d]
     try:
         async with ok_workers(amqp_url, [d]) as ups:
             a = cluster.start("t-a")
-            await a.wait_event("admission_leading", destination=d, within=30)
+            await a.wait_event("destination_active", destination=d, within=30)
             b = cluster.start("t-b")
             await b.wait_event("leadership_session_connected", within=30)
             await anyio.sleep(4 * tick)
-            pid = await lock_holder_pid(db_dsn, d)
+            pid = await lock_holder_pid(db_dsn, partition_lock(partition))
             assert pid is not None
             assert pid == a.events("leadership_session_connected")[-1]["backend_pid"]
             conn = await asyncpg.connect(db_dsn)
@@ -237,9 +258,10 @@ async def test_a_leader_whose_lock_session_ends_stops_before_anyone_starts(
             finally:
                 await conn.close()
             lost = await a.wait_event("leadership_lost", destination=d, within=5)
+            assert lost["partition"] == partition, lost
             # The next leader (either instance) and its first claim; a claim of the
             # old leader's tick in flight at the cut is not a new leader's.
-            taker, acquired = await next_acquisition([a, b], d, after=cut_at, within=10)
+            taker, acquired = await next_acquisition([a, b], partition, after=cut_at, within=10)
             took = await first_claim_after(db_dsn, d, acquired["at"], within=10, by=taker.name)
             await wait_completed(db_dsn, n, within=40)
             received = dict(ups.received)
@@ -296,25 +318,28 @@ async def test_a_partitioned_leader_stops_before_the_database_frees_its_lock(
     2 x lease). The proxy then resets the server's connections, as those
     keepalives would, while the leader stays cut off: only then can the
     standby take over. Healed, the old leader rejoins as a standby."""
-    (d,) = _names("part", 1)
+    (d,) = await _names(db_dsn, "part", 1)
     tick = 0.5
     cluster.pacing = Pacing(tick_seconds=tick, initial_rate=5, max_rate=60, claim_seconds=2)
     n = 400
     await schedule_backlog(db_dsn, d, n)
+    partition = (await _placed(db_dsn, [d]))[d]
     parts = urlsplit(db_dsn)
     proxy = FaultProxy(parts.port or 5432, target_host=parts.hostname or "127.0.0.1")
     await proxy.start()
     try:
         async with ok_workers(amqp_url, [d]) as ups:
             a = cluster.start("p-a", dsn=with_port(db_dsn, proxy.port))
-            await a.wait_event("admission_leading", destination=d, within=30)
+            await a.wait_event("destination_active", destination=d, within=30)
             b = cluster.start("p-b")
             await b.wait_event("leadership_session_connected", within=30)
             await anyio.sleep(4 * tick)
             stalled_at = utcnow()
             proxy.partition()
             lost = await a.wait_event("leadership_lost", destination=d, within=10)
-            assert await lock_holder_pid(db_dsn, d) is not None  # the server still holds it
+            assert lost["partition"] == partition, lost
+            # the server still holds it
+            assert await lock_holder_pid(db_dsn, partition_lock(partition)) is not None
             with anyio.fail_after(15):
                 while utcnow() < stalled_at + dt.timedelta(seconds=10):
                     await anyio.sleep(0.1)
@@ -336,7 +361,7 @@ async def test_a_partitioned_leader_stops_before_the_database_frees_its_lock(
     assert not [g for g in await claim_groups(db_dsn, d) if g.by == "p-a" and cut_at < g.at]
     assert took.at >= cut_at + dt.timedelta(seconds=tick - 0.005), (cut_at, took)
     # Once the server freed it, the standby took it on its next supervisor pass.
-    acquired = acquisition(b, d, after=cut_at)
+    acquired = acquisition(b, partition, after=cut_at)
     assert passes_before(b, acquired, after=cut_at) <= 1, (cut_at, acquired)
     assert took.at >= acquired["at"] + dt.timedelta(seconds=tick - 0.005), (acquired, took)
     groups = await claim_groups(db_dsn, d)
@@ -352,13 +377,14 @@ async def test_a_leader_cut_off_from_the_broker_gives_its_destinations_up(
     """A leader that cannot publish cannot admit: after max(5 s, 3 x tick)
     without the broker it closes its lock session — it no longer counts as an
     instance — and the standby takes the destination over."""
-    (d,) = _names("amqp", 1)
+    (d,) = await _names(db_dsn, "amqp", 1)
     tick = 0.5
     cluster.pacing = Pacing(
         tick_seconds=tick, initial_rate=5, max_rate=60, claim_seconds=2, publish_timeout_seconds=2
     )
     n = 250
     await schedule_backlog(db_dsn, d, n)
+    await _placed(db_dsn, [d])
     parts = urlsplit(amqp_url)
     proxy = FaultProxy(parts.port or 5672, target_host=parts.hostname or "127.0.0.1")
     await proxy.start()
@@ -366,7 +392,7 @@ async def test_a_leader_cut_off_from_the_broker_gives_its_destinations_up(
         async with ok_workers(amqp_url, [d]):
             via = with_port(amqp_url, proxy.port)
             a = cluster.start("b-a", amqp_url=via)
-            await a.wait_event("admission_leading", destination=d, within=30)
+            await a.wait_event("destination_active", destination=d, within=30)
             b = cluster.start("b-b")
             await b.wait_event("leadership_session_connected", within=30)
             await anyio.sleep(4 * tick)

@@ -15,12 +15,13 @@ from support.proxy import FaultProxy
 from support.services import with_port
 
 from pacerd.clock import SystemClock
-from pacerd.leadership import LeaderLocks
+from pacerd.leadership import LeaderLocks, partition_lock
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
 pytestmark = [pytest.mark.services, pytest.mark.timeout(60)]
+P = partition_lock(0)  # a lock by a name the daemon takes: a partition's
 
 
 @pytest.fixture
@@ -55,31 +56,31 @@ async def test_a_terminated_lock_session_drops_leadership_at_once(
     # waits, so only asyncpg's termination listener can report the loss.
     a = await _connected(locks, db_dsn, "a", lease_seconds=3600.0)
     b = await _connected(locks, db_dsn, "b")
-    assert await a.try_acquire("d", settle_seconds=0.0)
-    assert not await b.try_acquire("d")
-    assert a.holds("d")
-    assert a.usable_at("d") is not None
+    assert await a.try_acquire(P, settle_seconds=0.0)
+    assert not await b.try_acquire(P)
+    assert a.holds(P)
+    assert a.usable_at(P) is not None
     changed = a.changed()
     pid = a.backend_pid
     assert pid is not None
     await _terminate(db_dsn, pid)
     with anyio.fail_after(30):
         await changed.wait()  # set by the termination listener: no probe is running
-    assert not a.holds("d")
+    assert not a.holds(P)
     assert a.held == frozenset()
-    assert a.usable_at("d") is None
+    assert a.usable_at(P) is None
     with anyio.fail_after(5):
-        await a.wait_lost("d")  # returns at once: nothing is held
+        await a.wait_lost(P)  # returns at once: nothing is held
     assert not await a.alive()
     clock = SystemClock()
     with anyio.fail_after(5):
         while True:
             asked = clock.monotonic()
-            if await b.try_acquire("d", settle_seconds=0.5):
+            if await b.try_acquire(P, settle_seconds=0.5):
                 break
             await anyio.sleep(0.01)
     # A new leader waits its settle time (from when it took the lock) before admitting.
-    usable_at = b.usable_at("d")
+    usable_at = b.usable_at(P)
     assert usable_at is not None
     assert usable_at >= asked + 0.5
 
@@ -95,7 +96,7 @@ async def test_a_stalled_session_lapses_before_the_server_would_free_its_locks(
         lease = 2.0
         a = await _connected(locks, via, "a", lease_seconds=lease)
         b = await _connected(locks, db_dsn, "b")
-        assert await a.try_acquire("d")
+        assert await a.try_acquire(P)
         # The session's keepalives end it server-side after 2 x lease of silence.
         assert await a._query("SHOW tcp_keepalives_idle") == "2"
         assert await a._query("SHOW tcp_keepalives_count") == "2"
@@ -104,14 +105,14 @@ async def test_a_stalled_session_lapses_before_the_server_would_free_its_locks(
         # The lease (1 x lease after the last answered probe) lapses before the
         # server would end the silent session (2 x lease): that is the bound.
         with anyio.fail_after(2 * lease):
-            await a.wait_lost("d")  # renewing meanwhile: the probe times out
-        assert not a.holds("d")
+            await a.wait_lost(P)  # renewing meanwhile: the probe times out
+        assert not a.holds(P)
         # The server still holds the lock (the proxy keeps the socket open)...
-        assert not await b.try_acquire("d")
+        assert not await b.try_acquire(P)
         # ...until the connection is reset, as keepalives would.
         proxy.reset()  # the partition goes on: the lock can only have been freed by the server
         with anyio.fail_after(5):
-            while not await b.try_acquire("d"):
+            while not await b.try_acquire(P):
                 await anyio.sleep(0.01)
     finally:
         await proxy.close()
@@ -122,17 +123,17 @@ async def test_a_lock_is_never_taken_twice_and_a_handover_unlocks_it(
 ) -> None:
     a = await _connected(locks, db_dsn, "a")
     b = await _connected(locks, db_dsn, "b")
-    assert await a.try_acquire("d")
-    assert await a.try_acquire("d")  # already ours: not locked a second time
-    a.begin_release("d")
-    assert a.releasing("d")
-    assert a.has_lock("d")
-    assert not a.holds("d")
-    assert not await a.try_acquire("d")  # being handed over
-    assert not await b.try_acquire("d")
-    await a.release("d")
-    assert not a.has_lock("d")
-    assert await b.try_acquire("d")  # one unlock freed it: it was locked once
+    assert await a.try_acquire(P)
+    assert await a.try_acquire(P)  # already ours: not locked a second time
+    a.begin_release(P)
+    assert a.releasing(P)
+    assert a.has_lock(P)
+    assert not a.holds(P)
+    assert not await a.try_acquire(P)  # being handed over
+    assert not await b.try_acquire(P)
+    await a.release(P)
+    assert not a.has_lock(P)
+    assert await b.try_acquire(P)  # one unlock freed it: it was locked once
 
 
 async def test_only_this_ledgers_instances_count(

@@ -111,7 +111,9 @@ async def test_ready_status_watchdog_and_stopping(
             # Two seconds of the daemon's own supervisor passes (each may send
             # WATCHDOG=1, at most once a second): once a later pass is logged, what
             # the earlier ones sent is in the socket, and none may be a watchdog.
-            since = daemon.events("supervisor_pass")[-1]["at"]
+            passes = daemon.events("supervisor_pass")
+            assert passes, "the daemon logs no `supervisor_pass` record (docs/ha.md)"
+            since = passes[-1]["at"]
             with anyio.fail_after(30):
                 while not [e for e in daemon.events("supervisor_pass") if e["at"] >= since + SPAN]:
                     assert daemon.alive, daemon.text()[-3000:]

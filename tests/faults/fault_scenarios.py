@@ -710,7 +710,7 @@ async def recovery_drill(env: Env, scale: Scale) -> tuple[Audit, DrillReport]:
         await rig.operator().fetchval("SELECT pacerd.pause($1)", env.destination)
         leader = await rig.start_pacerd(wait_ready=False)  # proxied: the one we interrupt
         pool = [await rig.start_worker() for _ in range(workers)]
-        await leader.wait_event("leadership_acquired", within=60)
+        await leader.wait_event("leadership_acquired", partition=rig.partition, within=60)
         standby = await rig.start_pacerd(wait_ready=False, proxied=False)
         for w in pool:
             await w.wait_event("worker_started", within=60)
@@ -775,7 +775,9 @@ async def recovery_drill(env: Env, scale: Scale) -> tuple[Audit, DrillReport]:
             rig.broker_proxy.on_client_chunk = None
             rig.ledger_proxy.unstall()
             killed_at = time.time()
-            took_over = await standby.wait_event("leadership_acquired", within=30)
+            took_over = await standby.wait_event(
+                "leadership_acquired", partition=rig.partition, within=30
+            )
             drained = await rig.settle(within=scale.settle_seconds)
             tg.cancel_scope.cancel()
         audit = await rig.audit(

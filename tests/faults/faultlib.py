@@ -515,6 +515,7 @@ class Rig:
         log_level: str = "debug",
         restart_seconds: float = 2.0,
         roles: bool = True,
+        partitions: int = 1,
     ) -> None:
         self.dsn, self.amqp_url, self.workdir = dsn, amqp_url, workdir
         # Each party on its own role and broker user (False: all on the administrator's).
@@ -522,6 +523,11 @@ class Rig:
         self.ledger_users: Counter[str] = Counter()  # non-harness sessions, per user, per sample
         self.restart_seconds = restart_seconds
         self.destination = destination
+        # The ledger's partitions (set before any pacerd starts): with one, a
+        # second pacerd is a standby for the rig's destination, not the leader
+        # of a share of the partitions that may hold it.
+        self.partitions = partitions
+        self.partition: int | None = None  # the destination's, once the ledger is set up
         self.knobs = knobs or Knobs()
         self.capacity, self.burst_seconds = capacity, burst_seconds
         self.hold_ms, self.prefetch, self.log_level = hold_ms, prefetch, log_level
@@ -559,13 +565,15 @@ class Rig:
     # -- lifecycle
 
     async def __aenter__(self) -> Rig:
-        if self.identities is not None:
-            try:
+        try:
+            if self.identities is not None:
                 await self.identities.create(self.dsn, self.amqp_url, self.destination)
-            except BaseException:
+            await self._set_partitions()
+        except BaseException:
+            if self.identities is not None:
                 with anyio.CancelScope(shield=True):
                     await self.identities.drop(self.dsn)
-                raise
+            raise
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(self._supervise)
@@ -612,6 +620,17 @@ class Rig:
                             await pool.close()
                 if self.identities is not None:
                     await self.identities.drop(self.dsn)
+
+    async def _set_partitions(self) -> None:
+        led = await ledger.Ledger.connect(self.dsn, max_size=1)
+        try:
+            await led.set_partitions(self.partitions)
+            assert await led.read_partitions() == self.partitions
+            self.partition = await led.pool.fetchval(
+                "SELECT pacerd._partition_of($1, $2)", self.destination, self.partitions
+            )
+        finally:
+            await led.close()
 
     async def _supervise(self) -> None:
         """Restarts a pacerd or worker that exits on its own after

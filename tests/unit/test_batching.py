@@ -103,9 +103,7 @@ async def test_a_caller_cancelled_while_it_waits_hands_its_result_back() -> None
 async def test_a_window_lets_later_requests_join() -> None:
     clock = ManualClock()
     recorder = Recorder()
-    coalesce: Coalescer[int, int] = Coalescer(
-        "t", recorder.run, clock=clock, window_seconds=0.01
-    )
+    coalesce: Coalescer[int, int] = Coalescer("t", recorder.run, clock=clock, window_seconds=0.01)
     results: list[int] = []
 
     async def ask(k: int, after: float) -> None:
