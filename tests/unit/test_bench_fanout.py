@@ -143,3 +143,10 @@ def test_the_quick_mode_and_the_defaults() -> None:
     assert full.levels == [10, 1000]
     with pytest.raises(SystemExit):
         fanout.parse_args(["--only", "nope"])
+
+
+def test_live_instances_override_the_ledger_column() -> None:
+    ledger = {"t1": "a", "t2": None, "t3": "a"}
+    merged = fanout.merge_leaders(ledger, {"b": ["t1", "t2", "#reconciler"]})
+    assert merged == {"t1": "b", "t2": "b", "t3": "a"}
+    assert fanout.merge_leaders(ledger, {}) == ledger
