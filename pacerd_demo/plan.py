@@ -8,6 +8,7 @@ Shared by the runner (``runner``), which carries a plan out, and the report
 
 from __future__ import annotations
 
+import itertools
 import secrets
 from dataclasses import dataclass, field
 
@@ -86,6 +87,22 @@ def make_plan(
             ),
         ),
     )
+
+
+def capacity_calls(schedule: CapacitySchedule, start: float, end: float) -> float:
+    """The calls ``schedule`` lets through from ``start`` to ``end`` (seconds
+    after the upstream started) at capacity: its integral, exact for steps and
+    ramps (the upstream's token bucket refills at this rate)."""
+    if end <= start:
+        return 0.0
+    cuts = sorted({start, end, *(t for t, _ in schedule.points if start < t < end)})
+    total = 0.0
+    for a, b in itertools.pairwise(cuts):
+        if schedule.ramp:  # linear between the points: the trapezoid is exact
+            total += (schedule.rate_at(a) + schedule.rate_at(b)) / 2 * (b - a)
+        else:  # constant from a point up to the next
+            total += schedule.rate_at(a) * (b - a)
+    return total
 
 
 def backlog_prefix(plan: DemoPlan, destination: str) -> str:

@@ -6,7 +6,8 @@ overdue backlog and a live trickle, one in-process ``ModelUpstream`` per
 destination, N ``pacerd worker`` processes running the demo's worker (``app``) and one
 ``pacerd run``; a live terminal view per destination (capacity, pacer rate,
 sent, refused, in flight, due, oldest-due age, drain ETA); at the end a summary
-(utilization, refusal %, duplicate side effects counted from the upstreams'
+(utilization while backlog was due, refusal %, time to 90 % of the capacity
+after a step up, duplicate side effects counted from the upstreams'
 idempotency keys, jobs lost checked against the ledger) and a PNG chart of rate
 vs capacity, both drawn by ``report``. It stops every process it started, also
 on Ctrl-C. It drives the daemon the way an operator would (CLI, config, SQL
@@ -162,11 +163,16 @@ class Demo:
 
     async def sample(self, client: Client, t: float) -> list[report.Sample]:
         status = {s.destination: s for s in await client.status()}
+        # the backlog's own due jobs (retries included), apart from the live trickle's
         rows = await client.pool.fetch(
-            "SELECT destination, count(*) FILTER (WHERE state = 'completed') AS completed"
-            " FROM pacerd.jobs GROUP BY destination"
+            "SELECT destination, count(*) FILTER (WHERE state = 'completed') AS completed,"
+            " count(*) FILTER (WHERE state = 'scheduled' AND next_attempt_at <= now()"
+            " AND starts_with(job_id, $1 || '-backlog-')) AS backlog_due"
+            " FROM pacerd.jobs GROUP BY destination",
+            self.plan.run_id,
         )
         completed = {r["destination"]: r["completed"] for r in rows}
+        backlog_due = {r["destination"]: r["backlog_due"] for r in rows}
         rates = await self.pacer_rates(client)
         samples = []
         for d in self.plan.destinations:
@@ -177,6 +183,7 @@ class Demo:
             samples.append(
                 report.Sample(
                     t=t,
+                    second=last.second,
                     destination=d.name,
                     capacity=last.capacity,
                     accepted=last.accepted,
@@ -184,6 +191,7 @@ class Demo:
                     errors=last.errors,
                     rate=s.rate if s and s.rate is not None else rates.get(d.name),
                     due=s.due if s else d.backlog,
+                    backlog_due=backlog_due.get(d.name, 0),
                     inflight=s.inflight if s else 0,
                     oldest_due_age_seconds=s.oldest_due_age_seconds if s else None,
                     drain_eta_seconds=s.drain_eta_seconds if s else None,
