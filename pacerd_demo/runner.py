@@ -1,5 +1,7 @@
-"""The live demo (``bash scripts/demo.sh``): pacerd drains a 20,000-job backlog
-into two rate-limited model upstreams whose capacity steps down and up.
+"""The live demo (``bash scripts/demo.sh``): pacerd drains a backlog of overdue
+jobs (about 27,000; 3,000 with ``--quick``: what each upstream accepts at
+capacity over the whole run) into two rate-limited model upstreams whose
+capacity steps down and up.
 
 Owns the orchestration only: a fresh database, a config file in a temp dir, the
 overdue backlog and a live trickle, one in-process ``ModelUpstream`` per
@@ -14,7 +16,7 @@ on Ctrl-C. It drives the daemon the way an operator would (CLI, config, SQL
 API) and reaches into nothing.
 
     python -m pacerd_demo [--duration 180] [--quick] [--workers 3]
-        [--jobs 18000] [--database pacerd_demo] [--output demo-output] [--no-live]
+        [--jobs N] [--database pacerd_demo] [--output demo-output] [--no-live]
 """
 
 from __future__ import annotations
@@ -416,9 +418,11 @@ async def amain(args: argparse.Namespace, plan: DemoPlan, workdir: Path, output:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pacerd_demo", description=__doc__)
     p.add_argument("--duration", type=float, default=None, help="seconds (default 180)")
-    p.add_argument("--quick", action="store_true", help="about 20 s and 1,200 jobs")
+    p.add_argument("--quick", action="store_true", help="about 20 s and 3,000 jobs")
     p.add_argument("--workers", type=int, default=3, help="pacerd worker processes")
-    p.add_argument("--jobs", type=int, default=None, help="overdue jobs in all")
+    p.add_argument(
+        "--jobs", type=int, default=None, help="overdue jobs in all (default: the run at capacity)"
+    )
     p.add_argument("--database", default="pacerd_demo", help="dropped and recreated")
     p.add_argument("--admin-dsn", default=ADMIN_DSN)
     p.add_argument("--amqp-url", default=AMQP_URL)
@@ -432,8 +436,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     duration = args.duration or (20.0 if args.quick else DEFAULT_DURATION)
-    jobs = args.jobs if args.jobs is not None else (1200 if args.quick else None)
-    plan = make_plan(duration_seconds=duration, workers=args.workers, jobs=jobs, prefix=args.prefix)
+    plan = make_plan(
+        duration_seconds=duration, workers=args.workers, jobs=args.jobs, prefix=args.prefix
+    )
     output = Path(args.output).resolve()
     (output / "logs").mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="pacerd-demo-"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from pacerd.testing.upstream import CapacitySchedule
-from pacerd_demo.plan import capacity_calls
+from pacerd_demo.plan import capacity_calls, make_plan
 from pacerd_demo.report import (
     DestinationSummary,
     Sample,
@@ -81,6 +81,17 @@ def test_capacity_is_the_schedules_integral_over_each_second() -> None:
     assert capacity_calls(ramp, 10.0, 30.0) == pytest.approx(750.0 + 400.0)
     history = [sample(2, accepted=63, backlog_due=50), sample(3, accepted=40, backlog_due=50)]
     assert utilization(step, history) == pytest.approx(103 / 110)
+
+
+def test_the_default_backlog_is_the_run_at_capacity() -> None:
+    for duration in (20.0, 180.0):
+        plan = make_plan(duration_seconds=duration)
+        for d in plan.destinations:
+            assert d.backlog == pytest.approx(capacity_calls(d.schedule, 0.0, duration), abs=1)
+    assert [d.backlog for d in make_plan(duration_seconds=20.0, jobs=1200).destinations] == [
+        600,
+        600,
+    ]
 
 
 STEP_UP = CapacitySchedule(((0.0, 100.0), (5.0, 40.0), (10.0, 90.0)))
