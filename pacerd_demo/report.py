@@ -357,17 +357,12 @@ def print_summary(
         "refused",
         "refusal %",
         "5xx",
-        "90 % after step up",
         "completed",
         "still due",
         "dead",
         "duplicates",
     ):
-        table.add_column(
-            column,
-            justify="left" if column == "destination" else "right",
-            no_wrap=column == "90 % after step up",
-        )
+        table.add_column(column, justify="left" if column == "destination" else "right")
     for d in summary.destinations:
         table.add_row(
             d.destination,
@@ -377,7 +372,6 @@ def print_summary(
             f"{d.refused:,}",
             f"{d.refusal_ratio:.1%}",
             str(d.errors),
-            step_ups_text(d, "\n"),
             f"{d.completed:,}",
             f"{d.due_left:,}",
             str(d.dead),
@@ -390,10 +384,22 @@ def print_summary(
         " backlog (backlog s): the run's overdue jobs, not the live trickle, due and"
         " unclaimed when the second began and when it ended, from the first call on"
         + (f" (start-up: first call within {max(startup):.0f} s, not counted)" if startup else "")
-        + f". 90 % after step up: from each capacity step up (@ seconds) to the end of"
-        f" the first whole second accepting {STEP_UP_SHARE:.0%} of its capacity, while"
-        " backlog remained; n/a when the backlog ran out first.[/]"
+        + ".[/]"
     )
+    steps = Table(title="capacity step ups")
+    for column in ("destination", "step up at", "to", f"{STEP_UP_SHARE:.0%} after step up"):
+        steps.add_column(column, justify="left" if column == "destination" else "right")
+    for d in summary.destinations:
+        for u in d.step_ups:
+            steps.add_row(d.destination, f"{u.at:.1f} s", f"{u.capacity:.0f}/s", u.text())
+    if steps.row_count:
+        console.print(steps)
+        console.print(
+            f"[dim]{STEP_UP_SHARE:.0%} after step up: from the step up (a ramp: where it"
+            f" reaches its new level) to the end of the first whole second accepting"
+            f" {STEP_UP_SHARE:.0%} of that second's capacity, while backlog remained;"
+            " n/a when the backlog ran out first.[/]"
+        )
     verdict = "[green]" if summary.lost == 0 and summary.duplicates == 0 else "[red]"
     console.print(
         f"{verdict}duplicates = {summary.duplicates}, jobs lost = {summary.lost}[/]"
