@@ -175,11 +175,15 @@ def step_up_recoveries(
     """Each capacity step up the run saw: from the step up to the end of the
     first whole second after it that accepted >= ``STEP_UP_SHARE`` of that
     second's capacity, provided every second before it still had backlog
-    (``backlog_seconds``); else how long it was watched, and why it stopped."""
+    (``backlog_seconds``); else how long it was watched, and why it stopped.
+    A step up is to a level the capacity holds: a ramp's peak, which falls
+    again at once, is none (the falling capacity would meet the rate, not the
+    rate the capacity)."""
     flags = counts(history)
     found = []
-    for (_, r0), (t1, r1) in itertools.pairwise(schedule.points):
-        if r1 <= r0:
+    points = schedule.points
+    for i, ((_, r0), (t1, r1)) in enumerate(itertools.pairwise(points)):
+        if r1 <= r0 or (schedule.ramp and i + 2 < len(points) and points[i + 2][1] < r1):
             continue
         after = [(s, c) for s, c in zip(history, flags, strict=True) if s.second >= t1]
         if not after:

@@ -131,11 +131,20 @@ def test_a_run_that_ends_first_says_how_long_it_watched() -> None:
 
 
 def test_a_ramp_is_caught_up_against_each_seconds_capacity() -> None:
-    # reaches 110 at 6 s, then falls 14 a second: the second [6, 7) offers 103
-    ramp = CapacitySchedule(((0.0, 60.0), (6.0, 110.0), (11.0, 40.0)), ramp=True)
-    history = [sample(k, accepted=a, backlog_due=900) for k, a in enumerate([60] * 6 + [93])]
+    # reaches 80 at 8 s and holds it; the second [7, 8) still ramps (75 calls)
+    ramp = CapacitySchedule(((0.0, 110.0), (4.0, 40.0), (8.0, 80.0)), ramp=True)
+    history = [sample(k, accepted=70, backlog_due=900) for k in range(8)]
+    history += [sample(8, accepted=71, backlog_due=900), sample(9, accepted=72, backlog_due=900)]
     (up,) = step_up_recoveries(ramp, history)
-    assert (up.at, up.seconds) == (6.0, 1.0)
+    assert (up.at, up.capacity, up.seconds) == (8.0, 80.0, 2.0)
+
+
+def test_a_ramps_peak_is_no_step_up() -> None:
+    # 110 at 6 s, then falling 14 a second: the capacity would come down to
+    # meet any rate, so there is no new level to catch up with
+    ramp = CapacitySchedule(((0.0, 60.0), (6.0, 110.0), (11.0, 40.0), (16.0, 80.0)), ramp=True)
+    history = [sample(k, accepted=60, backlog_due=900) for k in range(20)]
+    assert [u.at for u in step_up_recoveries(ramp, history)] == [16.0]
 
 
 def test_the_summary_line_names_each_step_up() -> None:
