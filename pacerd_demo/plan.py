@@ -8,12 +8,14 @@ Shared by the runner (``runner``), which carries a plan out, and the report
 
 from __future__ import annotations
 
+import itertools
+import math
 import secrets
 from dataclasses import dataclass, field
 
 from pacerd.testing.upstream import CapacitySchedule
 
-DEFAULT_DURATION, DEFAULT_JOBS = 180.0, 18_000
+DEFAULT_DURATION = 180.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,13 +57,19 @@ def make_plan(
     jobs: int | None = None,
     prefix: str = "demo",
 ) -> DemoPlan:
-    """Two destinations, ``jobs`` overdue in all (default: 100 a second of run)."""
+    """Two destinations, ``jobs`` overdue in all, split in halves; by default
+    each destination's backlog is what its upstream accepts at capacity over
+    the whole run (live jobs come on top), so the capacity steps, the step ups
+    included, all fall while there is backlog to send."""
     d = duration_seconds
-    total = jobs if jobs is not None else round(DEFAULT_JOBS * d / DEFAULT_DURATION)
     llm = CapacitySchedule(((0.0, 100.0), (0.33 * d, 35.0), (0.67 * d, 90.0)))
     carrier = CapacitySchedule(
         ((0.0, 60.0), (0.3 * d, 110.0), (0.55 * d, 40.0), (0.8 * d, 80.0)), ramp=True
     )
+    if jobs is None:
+        backlogs = [math.ceil(capacity_calls(s, 0.0, d)) for s in (llm, carrier)]
+    else:
+        backlogs = [jobs // 2, jobs - jobs // 2]
     return DemoPlan(
         duration_seconds=d,
         workers=workers,
@@ -72,7 +80,7 @@ def make_plan(
                 retry_after=True,
                 latency_median_ms=150.0,
                 error_rate=0.0,
-                backlog=total // 2,
+                backlog=backlogs[0],
                 trickle_per_second=4.0,
             ),
             DestinationPlan(
@@ -81,11 +89,27 @@ def make_plan(
                 retry_after=False,
                 latency_median_ms=80.0,
                 error_rate=0.01,
-                backlog=total - total // 2,
+                backlog=backlogs[1],
                 trickle_per_second=4.0,
             ),
         ),
     )
+
+
+def capacity_calls(schedule: CapacitySchedule, start: float, end: float) -> float:
+    """The calls ``schedule`` lets through from ``start`` to ``end`` (seconds
+    after the upstream started) at capacity: its integral, exact for steps and
+    ramps (the upstream's token bucket refills at this rate)."""
+    if end <= start:
+        return 0.0
+    cuts = sorted({start, end, *(t for t, _ in schedule.points if start < t < end)})
+    total = 0.0
+    for a, b in itertools.pairwise(cuts):
+        if schedule.ramp:  # linear between the points: the trapezoid is exact
+            total += (schedule.rate_at(a) + schedule.rate_at(b)) / 2 * (b - a)
+        else:  # constant from a point up to the next
+            total += schedule.rate_at(a) * (b - a)
+    return total
 
 
 def backlog_prefix(plan: DemoPlan, destination: str) -> str:

@@ -1,17 +1,27 @@
 """What the demo shows: per-second samples, the live terminal view (rich), the
 closing summary and the PNG chart of rate vs capacity (matplotlib, Agg).
 
-Owns presentation and the end-of-run checks (utilization, refusal %,
-duplicate side effects from the upstreams' idempotency keys, jobs lost from
-the ledger); it starts and stops nothing (``runner`` does), and imports
-nothing of the runner: what it needs of a run is the plan (``plan``).
+Owns presentation and the end-of-run checks (utilization while backlog was
+due, refusal %, time to 90 % of the capacity after a step up, duplicate side
+effects from the upstreams' idempotency keys, jobs lost from the ledger); it
+starts and stops nothing (``runner`` does), and imports nothing of the runner:
+what it needs of a run is the plan (``plan``).
+
+What the figures measure (``backlog_seconds``, ``utilization``,
+``step_up_recoveries``): a destination is judged only on the seconds when it
+had backlog it could have sent. Its backlog is the overdue jobs the run
+scheduled at the start (their retries included), not the live trickle, which
+keeps "due" above zero after the backlog is gone and would count seconds in
+which no pacer could have filled the capacity. A second counts when backlog
+jobs were due and unclaimed both when it began and when it ended, from the
+first second in which the upstream saw a call (before it, the processes are
+starting: reported apart as start-up, not counted).
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import math
 import statistics
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -21,7 +31,7 @@ from rich.table import Table
 from rich.text import Text
 
 from pacerd.statusview import human_seconds
-from pacerd_demo.plan import backlog_prefix
+from pacerd_demo.plan import backlog_prefix, capacity_calls
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -40,14 +50,17 @@ _SPARKS = " ▁▂▃▄▅▆▇█"
 class Sample:
     """One destination at one second of the run."""
 
-    t: float
+    t: float  # seconds since the run started, when the sample was taken
+    # the upstream's last whole second before t: [second, second + 1) after it started
+    second: int
     destination: str
     capacity: float  # the upstream's capacity in that second
     accepted: int  # calls the upstream accepted in that second
     refused: int
     errors: int
     rate: float | None  # the pacer's rate, as its leader persisted it
-    due: int
+    due: int  # due and unclaimed at t, live jobs included
+    backlog_due: int  # of those, the run's backlog (its overdue jobs, retries included)
     inflight: int
     oldest_due_age_seconds: float | None
     drain_eta_seconds: float | None
@@ -58,7 +71,9 @@ class Sample:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DestinationSummary:
     destination: str
-    utilization: float | None  # accepted / capacity while there was due work
+    utilization: float | None  # accepted / capacity over the backlog seconds (None: none)
+    backlog_seconds: int  # the seconds that count (``backlog_seconds``)
+    startup_seconds: float | None  # from the start to the end of the first second with a call
     accepted: int
     refused: int
     errors: int
@@ -66,9 +81,7 @@ class DestinationSummary:
     due_left: int
     dead: int
     duplicates: int
-    # seconds from a capacity step up to the first second accepting >= 90 % of
-    # the new capacity (the worst step up; None: no step up while work was due)
-    step_up_recovery_s: float | None = None
+    step_ups: tuple[StepUpRecovery, ...] = ()  # each capacity step up within the run
 
     @property
     def refusal_ratio(self) -> float:
@@ -97,21 +110,96 @@ class DemoSummary:
 STEP_UP_SHARE = 0.9  # a step up is caught up once a second accepts this share of it
 
 
-def step_up_recovery(schedule: CapacitySchedule, history: Sequence[Sample]) -> float | None:
-    """Seconds from each capacity step up (for a ramp: from where it reaches its
-    new level) to the first second that accepted >= ``STEP_UP_SHARE`` of the
-    capacity, while work was due; the worst of the step ups (inf: never)."""
-    worst: float | None = None
-    for (_, r0), (t1, r1) in itertools.pairwise(schedule.points):
-        if r1 <= r0:
+def second_capacity(schedule: CapacitySchedule, sample: Sample) -> float:
+    """The calls the upstream could accept in the sample's second (its
+    schedule's integral over it: a step inside the second counts pro rata)."""
+    return capacity_calls(schedule, float(sample.second), sample.second + 1.0)
+
+
+def startup_seconds(history: Sequence[Sample]) -> float | None:
+    """From the start to the end of the first second in which the upstream saw
+    a call (None: it saw none)."""
+    first = next((s for s in history if s.accepted + s.refused + s.errors), None)
+    return None if first is None else first.second + 1.0
+
+
+def counts(history: Sequence[Sample]) -> list[bool]:
+    """Whether each sample's second counts: from the first second with a call
+    on, those whose backlog had jobs due and unclaimed when the second began
+    (the sample before; the first sample: its own) and when it ended."""
+    started, flags = False, []
+    for i, s in enumerate(history):
+        started = started or s.accepted + s.refused + s.errors > 0
+        before = history[i - 1].backlog_due if i else s.backlog_due
+        flags.append(started and before > 0 and s.backlog_due > 0)
+    return flags
+
+
+def backlog_seconds(history: Sequence[Sample]) -> list[Sample]:
+    """The samples of the seconds that count (``counts``)."""
+    return [s for s, c in zip(history, counts(history), strict=True) if c]
+
+
+def utilization(schedule: CapacitySchedule, history: Sequence[Sample]) -> float | None:
+    """Accepted calls / the upstream's capacity, over ``backlog_seconds``
+    (None: no second counts)."""
+    counted = backlog_seconds(history)
+    capacity = sum(second_capacity(schedule, s) for s in counted)
+    return sum(s.accepted for s in counted) / capacity if capacity else None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepUpRecovery:
+    """One capacity step up: how long until a second accepted ``STEP_UP_SHARE``
+    of its capacity, measured only while backlog remained."""
+
+    at: float  # seconds after the upstream started (a ramp: where it reaches the new level)
+    capacity: float  # the new level
+    seconds: float | None  # step up → end of the first such second; None: not seen
+    watched: float  # seconds watched after the step up with backlog left
+    ended_by: str  # "caught up", "backlog ran out" or "run ended"
+
+    def text(self) -> str:
+        if self.seconds is not None:
+            return f"{self.seconds:.1f} s"
+        if self.ended_by == "run ended":
+            return f"> {self.watched:.1f} s (run ended)"
+        if self.watched < 1.0:
+            return "n/a (backlog ran out)"
+        return f"n/a (backlog ran out after {self.watched:.1f} s)"
+
+
+def step_up_recoveries(
+    schedule: CapacitySchedule, history: Sequence[Sample]
+) -> tuple[StepUpRecovery, ...]:
+    """Each capacity step up the run saw: from the step up to the end of the
+    first whole second after it that accepted >= ``STEP_UP_SHARE`` of that
+    second's capacity, provided every second before it still had backlog
+    (``backlog_seconds``); else how long it was watched, and why it stopped.
+    A step up is to a level the capacity holds: a ramp's peak, which falls
+    again at once, is none (the falling capacity would meet the rate, not the
+    rate the capacity)."""
+    flags = counts(history)
+    found = []
+    points = schedule.points
+    for i, ((_, r0), (t1, r1)) in enumerate(itertools.pairwise(points)):
+        if r1 <= r0 or (schedule.ramp and i + 2 < len(points) and points[i + 2][1] < r1):
             continue
-        after = [s for s in history if s.t >= t1]
-        if not after or after[0].due == 0:
-            continue
-        hit = next((s.t for s in after if s.accepted >= STEP_UP_SHARE * r1), math.inf)
-        took = hit + 1.0 - t1  # the end of the first good second
-        worst = took if worst is None else max(worst, took)
-    return worst
+        after = [(s, c) for s, c in zip(history, flags, strict=True) if s.second >= t1]
+        if not after:
+            continue  # after the run
+        seconds, ended_by, watched = None, "run ended", after[-1][0].second + 1.0 - t1
+        for s, counted in after:
+            if s.accepted >= STEP_UP_SHARE * second_capacity(schedule, s):
+                seconds, ended_by = s.second + 1.0 - t1, "caught up"
+                break
+            if not counted:
+                ended_by, watched = "backlog ran out", max(0.0, s.second - t1)
+                break
+        found.append(
+            StepUpRecovery(at=t1, capacity=r1, seconds=seconds, watched=watched, ended_by=ended_by)
+        )
+    return tuple(found)
 
 
 def json_dumps(value: object) -> str:
@@ -233,14 +321,14 @@ async def summarize(
     destinations = []
     for d in plan.destinations:
         history = [s for s in samples if s.destination == d.name]
-        busy = [s for s in history if s.due > 0] or history
-        capacity = sum(s.capacity for s in busy)
         stats = upstreams[d.name].stats() if d.name in upstreams else {}
         mine = [r for r in rows if r["destination"] == d.name]
         destinations.append(
             DestinationSummary(
                 destination=d.name,
-                utilization=sum(s.accepted for s in busy) / capacity if capacity else None,
+                utilization=utilization(d.schedule, history),
+                backlog_seconds=len(backlog_seconds(history)),
+                startup_seconds=startup_seconds(history),
                 accepted=stats.get("accepted", 0),
                 refused=stats.get("refused", 0),
                 errors=stats.get("errors", 0),
@@ -248,7 +336,7 @@ async def summarize(
                 due_left=history[-1].due if history else 0,
                 dead=sum(r["state"] == "dead" for r in mine),
                 duplicates=stats.get("duplicates", 0),
-                step_up_recovery_s=step_up_recovery(d.schedule, history),
+                step_ups=step_up_recoveries(d.schedule, history),
             )
         )
     return DemoSummary(
@@ -268,11 +356,11 @@ def print_summary(
     for column in (
         "destination",
         "utilization",
+        "backlog s",
         "accepted",
         "refused",
         "refusal %",
         "5xx",
-        "90 % after step up",
         "completed",
         "still due",
         "dead",
@@ -282,18 +370,40 @@ def print_summary(
     for d in summary.destinations:
         table.add_row(
             d.destination,
-            "-" if d.utilization is None else f"{d.utilization:.0%}",
+            "n/a" if d.utilization is None else f"{d.utilization:.0%}",
+            str(d.backlog_seconds),
             f"{d.accepted:,}",
             f"{d.refused:,}",
             f"{d.refusal_ratio:.1%}",
             str(d.errors),
-            _seconds(d.step_up_recovery_s),
             f"{d.completed:,}",
             f"{d.due_left:,}",
             str(d.dead),
             str(d.duplicates),
         )
     console.print(table)
+    startup = [d.startup_seconds for d in summary.destinations if d.startup_seconds is not None]
+    console.print(
+        "[dim]utilization: accepted calls / the upstream's capacity over the seconds with"
+        " backlog (backlog s): the run's overdue jobs, not the live trickle, due and"
+        " unclaimed when the second began and when it ended, from the first call on"
+        + (f" (start-up: first call within {max(startup):.0f} s, not counted)" if startup else "")
+        + ".[/]"
+    )
+    steps = Table(title="capacity step ups")
+    for column in ("destination", "step up at", "to", f"{STEP_UP_SHARE:.0%} after step up"):
+        steps.add_column(column, justify="left" if column == "destination" else "right")
+    for d in summary.destinations:
+        for u in d.step_ups:
+            steps.add_row(d.destination, f"{u.at:.1f} s", f"{u.capacity:.0f}/s", u.text())
+    if steps.row_count:
+        console.print(steps)
+        console.print(
+            f"[dim]{STEP_UP_SHARE:.0%} after step up: from the step up (a ramp: where it"
+            f" reaches its new level) to the end of the first whole second accepting"
+            f" {STEP_UP_SHARE:.0%} of that second's capacity, while backlog remained;"
+            " n/a when the backlog ran out first.[/]"
+        )
     verdict = "[green]" if summary.lost == 0 and summary.duplicates == 0 else "[red]"
     console.print(
         f"{verdict}duplicates = {summary.duplicates}, jobs lost = {summary.lost}[/]"
@@ -308,16 +418,17 @@ def print_summary(
     console.print(f"chart: {chart}   ledger: database {database!r} (kept for `pacerd show`)")
 
 
-def _seconds(value: float | None) -> str:
-    return "-" if value is None else "never" if math.isinf(value) else f"{value:.0f} s"
+def step_ups_text(d: DestinationSummary, sep: str = " · ") -> str:
+    """Each step up as "@T s: RESULT" ("-": none within the run)."""
+    return sep.join(f"@{u.at:.0f} s: {u.text()}" for u in d.step_ups) or "-"
 
 
 def headline(d: DestinationSummary) -> str:
     """The figures the demo promises, in one line (the chart's panel titles)."""
-    util = "-" if d.utilization is None else f"{d.utilization:.0%}"
+    util = "n/a" if d.utilization is None else f"{d.utilization:.0%}"
     return (
-        f"utilization {util} while due · refused {d.refusal_ratio:.1%}"
-        f" · 90 % after step up {_seconds(d.step_up_recovery_s)}"
+        f"utilization {util} while backlog due · refused {d.refusal_ratio:.1%}"
+        f"\n90 % after step up {step_ups_text(d)}"
     )
 
 
@@ -377,7 +488,10 @@ def write_chart(
         top.legend(loc="upper right", fontsize="small")
         bottom: Any = axes[1][col]
         bottom.fill_between(
-            t, [s.due for s in history], color="tab:gray", alpha=0.4, label="due backlog"
+            t, [s.due for s in history], color="tab:gray", alpha=0.4, label="due (live included)"
+        )
+        bottom.plot(
+            t, [s.backlog_due for s in history], color="tab:gray", lw=1.2, label="due backlog"
         )
         bottom.set_ylabel("due jobs")
         bottom.set_xlabel("seconds")

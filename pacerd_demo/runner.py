@@ -1,19 +1,22 @@
-"""The live demo (``bash scripts/demo.sh``): pacerd drains a 20,000-job backlog
-into two rate-limited model upstreams whose capacity steps down and up.
+"""The live demo (``bash scripts/demo.sh``): pacerd drains a backlog of overdue
+jobs (about 27,000; 3,000 with ``--quick``: what each upstream accepts at
+capacity over the whole run) into two rate-limited model upstreams whose
+capacity steps down and up.
 
 Owns the orchestration only: a fresh database, a config file in a temp dir, the
 overdue backlog and a live trickle, one in-process ``ModelUpstream`` per
 destination, N ``pacerd worker`` processes running the demo's worker (``app``) and one
 ``pacerd run``; a live terminal view per destination (capacity, pacer rate,
 sent, refused, in flight, due, oldest-due age, drain ETA); at the end a summary
-(utilization, refusal %, duplicate side effects counted from the upstreams'
+(utilization while backlog was due, refusal %, time to 90 % of the capacity
+after a step up, duplicate side effects counted from the upstreams'
 idempotency keys, jobs lost checked against the ledger) and a PNG chart of rate
 vs capacity, both drawn by ``report``. It stops every process it started, also
 on Ctrl-C. It drives the daemon the way an operator would (CLI, config, SQL
 API) and reaches into nothing.
 
     python -m pacerd_demo [--duration 180] [--quick] [--workers 3]
-        [--jobs 18000] [--database pacerd_demo] [--output demo-output] [--no-live]
+        [--jobs N] [--database pacerd_demo] [--output demo-output] [--no-live]
 """
 
 from __future__ import annotations
@@ -162,11 +165,16 @@ class Demo:
 
     async def sample(self, client: Client, t: float) -> list[report.Sample]:
         status = {s.destination: s for s in await client.status()}
+        # the backlog's own due jobs (retries included), apart from the live trickle's
         rows = await client.pool.fetch(
-            "SELECT destination, count(*) FILTER (WHERE state = 'completed') AS completed"
-            " FROM pacerd.jobs GROUP BY destination"
+            "SELECT destination, count(*) FILTER (WHERE state = 'completed') AS completed,"
+            " count(*) FILTER (WHERE state = 'scheduled' AND next_attempt_at <= now()"
+            " AND starts_with(job_id, $1 || '-backlog-')) AS backlog_due"
+            " FROM pacerd.jobs GROUP BY destination",
+            self.plan.run_id,
         )
         completed = {r["destination"]: r["completed"] for r in rows}
+        backlog_due = {r["destination"]: r["backlog_due"] for r in rows}
         rates = await self.pacer_rates(client)
         samples = []
         for d in self.plan.destinations:
@@ -177,6 +185,7 @@ class Demo:
             samples.append(
                 report.Sample(
                     t=t,
+                    second=last.second,
                     destination=d.name,
                     capacity=last.capacity,
                     accepted=last.accepted,
@@ -184,6 +193,7 @@ class Demo:
                     errors=last.errors,
                     rate=s.rate if s and s.rate is not None else rates.get(d.name),
                     due=s.due if s else d.backlog,
+                    backlog_due=backlog_due.get(d.name, 0),
                     inflight=s.inflight if s else 0,
                     oldest_due_age_seconds=s.oldest_due_age_seconds if s else None,
                     drain_eta_seconds=s.drain_eta_seconds if s else None,
@@ -408,9 +418,11 @@ async def amain(args: argparse.Namespace, plan: DemoPlan, workdir: Path, output:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pacerd_demo", description=__doc__)
     p.add_argument("--duration", type=float, default=None, help="seconds (default 180)")
-    p.add_argument("--quick", action="store_true", help="about 20 s and 1,200 jobs")
+    p.add_argument("--quick", action="store_true", help="about 20 s and 3,000 jobs")
     p.add_argument("--workers", type=int, default=3, help="pacerd worker processes")
-    p.add_argument("--jobs", type=int, default=None, help="overdue jobs in all")
+    p.add_argument(
+        "--jobs", type=int, default=None, help="overdue jobs in all (default: the run at capacity)"
+    )
     p.add_argument("--database", default="pacerd_demo", help="dropped and recreated")
     p.add_argument("--admin-dsn", default=ADMIN_DSN)
     p.add_argument("--amqp-url", default=AMQP_URL)
@@ -424,8 +436,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     duration = args.duration or (20.0 if args.quick else DEFAULT_DURATION)
-    jobs = args.jobs if args.jobs is not None else (1200 if args.quick else None)
-    plan = make_plan(duration_seconds=duration, workers=args.workers, jobs=jobs, prefix=args.prefix)
+    plan = make_plan(
+        duration_seconds=duration, workers=args.workers, jobs=args.jobs, prefix=args.prefix
+    )
     output = Path(args.output).resolve()
     (output / "logs").mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="pacerd-demo-"))
