@@ -163,6 +163,10 @@ class TickResult:
     nacked: int = 0  # publishes the broker refused
     returned: int = 0  # publishes the broker returned unroutable
     confirm_timeouts: int = 0  # publishes not confirmed within publish_timeout_seconds
+    # From the tick's start until its first release could go: the destination
+    # read, the plan and the first claim (the rest of a tick is its releases,
+    # spread across it on purpose).
+    planning_seconds: float | None = None
 
     @property
     def refusal_ratio(self) -> float | None:
@@ -421,6 +425,7 @@ class DestinationAdmission:
         claimed: list[ClaimedJob] = []
         outcome = _Publishing()
         would_admit = 0
+        planned = self.clock.monotonic() - now
         if skipped is None and plan.budget > 0 and cfg.shadow:
             # Shadow mode: every decision is computed and reported; nothing is claimed.
             would_admit = await self.ledger.has_due(dest, at_least=plan.budget)
@@ -429,6 +434,7 @@ class DestinationAdmission:
             limit = 1 if probing else plan.budget
             claims = _Claims(self._claim_chunk, limit=limit, live_limit=plan.live_budget)
             await claims.next_chunk()  # a failure here fails the tick; later ones end the claim
+            planned = self.clock.monotonic() - now
             claimed = claims.jobs
             if claimed:
                 outcome = await self._publish_spread(claims, plan, started=now)
@@ -456,6 +462,7 @@ class DestinationAdmission:
             nacked=outcome.nacked,
             returned=outcome.returned,
             confirm_timeouts=outcome.timeouts,
+            planning_seconds=planned,
         )
         await self.ledger.save_pacer_state(
             dest,

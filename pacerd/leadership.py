@@ -5,7 +5,7 @@ ledger, set by ``pacerd migrate --partitions``); an instance leads
 partitions, one PostgreSQL session advisory lock each, all held on one
 dedicated connection (``LeaderLocks``). ``Leadership`` runs one pass of the
 policy each supervisor pass: lead a fair share of the partitions
-(ceil(partitions / live instances)), hand one over per pass while leading
+(ceil(partitions / live instances)), hand the excess over while leading
 more than that, take the reconciler's lock when it is free, and give
 everything up while the broker is unreachable. A partition taken here is
 usable one tick later (``usable``): whoever led it before claimed last
@@ -401,7 +401,11 @@ class Leadership:
         instances = await self.locks.count_instances()
         fair_share = math.ceil(self.partitions / instances)
         held = sorted(self.held())
-        if len(held) > fair_share and len(held) > 1 and not self.releasing():
+        # Above its share, it hands over the excess at once (its highest
+        # partitions), once the previous handover has ended: another instance
+        # takes them on its next pass.
+        handing_over = bool(self.releasing())
+        while not handing_over and len(held) > max(fair_share, 1):
             give_up = held.pop()
             self.locks.begin_release(partition_lock(give_up))  # released once its ticks end
             log.info(

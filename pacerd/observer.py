@@ -48,18 +48,15 @@ class TelemetryObserver:
         self.clock = clock
         self.last: dict[str, TickResult] = {}
         self.due: dict[str, tuple[int, float | None]] = {}
-        self.began: dict[str, float] = {}  # when the tick in progress began
 
     def forget(self, destination: str) -> None:
         """A destination parked or no longer led: its figures leave memory."""
         self.last.pop(destination, None)
         self.due.pop(destination, None)
-        self.began.pop(destination, None)
         if self.telemetry is not None:
             self.telemetry.forget_destination(destination)
 
     def tick_span(self, destination: str, *, shadow: bool) -> AbstractContextManager[Any]:
-        self.began[destination] = self.clock.monotonic()
         if self.telemetry is None:
             return nullcontext()
         return self.telemetry.tick_span(destination, shadow=shadow)
@@ -103,8 +100,6 @@ class TelemetryObserver:
 
     def tick_completed(self, result: TickResult) -> None:
         self.last[result.destination] = result
-        began = self.began.pop(result.destination, None)
-        duration = None if began is None else self.clock.monotonic() - began
         due, oldest_age = self.due.get(result.destination, (0, None))
         eta = due / result.rate if result.rate > 0 and due else None
         if self.telemetry is not None:
@@ -118,7 +113,7 @@ class TelemetryObserver:
                 oldest_due_age_seconds=oldest_age,
                 drain_eta_seconds=eta,
                 refused=result.refused,
-                duration_seconds=duration,
+                duration_seconds=result.planning_seconds,
                 shadow=result.shadow,
             )
             self.telemetry.record_admission_state(

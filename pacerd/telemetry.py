@@ -646,7 +646,7 @@ class Telemetry:
         self.tick_duration = meter.create_histogram(
             METRIC_TICK_DURATION,
             "s",
-            "Duration of one tick of one destination",
+            "One tick of one destination until its first release may go: read, plan, first claim",
             explicit_bucket_boundaries_advisory=_TICK_BUCKETS_SECONDS,
         )
 

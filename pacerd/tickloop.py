@@ -181,6 +181,7 @@ class TickLoop:
 
     async def _run_destination(self, destination: str, entry: _Active) -> None:
         quiet = 0
+        parked = False  # ended because it was parked (else: not led, or stopping)
 
         def leads() -> bool:
             return self.broker.connected and self.leadership.usable(entry.partition)
@@ -189,7 +190,7 @@ class TickLoop:
             entry.last_pass = self.clock.monotonic()
 
         async def until(result: TickResult | None) -> bool:
-            nonlocal quiet
+            nonlocal quiet, parked
             if not leads():
                 return True  # handed over, lost, or the broker gone: woken again later
             if result is None:
@@ -202,7 +203,8 @@ class TickLoop:
                 return False
             quiet = 0
             try:
-                return await self.shared.park(destination)
+                parked = await self.shared.park(destination)
+                return parked
             except PacerdError as exc:
                 log.warning("park_failed", destination=destination, error=str(exc))
                 return False
@@ -216,9 +218,9 @@ class TickLoop:
         finally:
             self.active.pop(destination, None)
             self.forget(destination)
+            log.debug("destination_inactive", destination=destination, parked=parked)
             ended, self._ended = self._ended, anyio.Event()
             ended.set()
-            log.debug("destination_parked", destination=destination)
 
     async def _cancel_lost(self) -> None:
         """Cancels, mid-tick, the ticks of every partition whose lock may no

@@ -163,7 +163,15 @@ async def test_kill_9_of_a_leader_then_of_the_reconciler_instance(
                     await anyio.sleep(0.05)
             victim = cluster.instances[leader]
             await victim.wait_event("destination_active", destination=d2)
-            await anyio.sleep(4 * tick)  # busy, at its full rate
+            # busy, its rate grown past twice initial_rate (a handover may have
+            # come after a single tick at initial_rate), then two ticks more
+            with anyio.fail_after(30):
+                while not any(
+                    e["rate"] >= 2 * cluster.pacing.initial_rate
+                    for e in victim.events("tick_completed", destination=d2)
+                ):
+                    await anyio.sleep(0.05)
+            await anyio.sleep(2 * tick)
 
             killed_1 = victim.kill9()
             dead_1 = utcnow()  # reaped: no claim of the victim starts after this

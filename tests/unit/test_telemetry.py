@@ -869,13 +869,14 @@ def test_a_drain_eta_no_longer_known_is_no_longer_reported(harness: Harness) -> 
     assert harness.points(tm.METRIC_DRAIN_ETA) == {}
 
 
-def test_observer_records_each_ticks_duration(harness: Harness) -> None:
+def test_observer_records_each_ticks_planning_time(harness: Harness) -> None:
     clock = ManualClock()
     observer = TelemetryObserver(harness.telemetry, clock)
     for _ in range(3):
         with observer.tick_span("mail", shadow=False):
-            clock.advance(0.125)
-            observer.tick_completed(TickResult(destination="mail", rate=1.0, budget=1))
+            result = TickResult(destination="mail", rate=1.0, budget=1, planning_seconds=0.02)
+            observer.tick_completed(result)
+    observer.tick_completed(TickResult(destination="mail"))  # failed early: no duration
     mail = frozenset({("destination", "mail")})
     assert harness.points(tm.METRIC_TICK_DURATION) == {mail: 3}
 
