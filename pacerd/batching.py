@@ -168,40 +168,29 @@ class SharedLedger:
         self.ledger = ledger
         self.clock = clock
         self.statements: Counter[str] = Counter()  # statements run, by name (for the bench)
-        counts = self.statements
-        self._read = Coalescer("read_destination", self._read_many, counts=counts, clock=clock)
-        self._inflight = Coalescer(
-            "count_inflight", self._inflight_many, counts=counts, clock=clock
-        )
-        self._claim = Coalescer(
-            "claim_due",
-            self._claim_many,
-            on_abandoned=self._release_abandoned,
-            counts=counts,
-            clock=clock,
-        )
-        self._mark = Coalescer(
-            "mark_offered",
-            self._mark_many,
-            window_seconds=LAZY_WINDOW_SECONDS,
-            counts=counts,
-            clock=clock,
-        )
-        self._release = Coalescer(
-            "release_claims", self._release_many, window_seconds=LAZY_WINDOW_SECONDS,
-            counts=counts, clock=clock,
-        )  # fmt: skip
-        self._save = Coalescer(
-            "save_pacer_state",
-            self._save_many,
-            window_seconds=LAZY_WINDOW_SECONDS,
-            counts=counts,
-            clock=clock,
-        )
-        self._park = Coalescer(
-            "park_destinations", self._park_many, window_seconds=LAZY_WINDOW_SECONDS,
-            counts=counts, clock=clock,
-        )  # fmt: skip
+
+        def shared(
+            name: str,
+            run: Callable[[list[_K]], Awaitable[list[_R]]],
+            *,
+            lazy: bool = False,
+            on_abandoned: Callable[[_K, _R], Awaitable[None]] | None = None,
+        ) -> Coalescer[_K, _R]:
+            window = LAZY_WINDOW_SECONDS if lazy else 0.0
+            return Coalescer(
+                name, run, clock=clock, window_seconds=window, counts=self.statements,
+                on_abandoned=on_abandoned,
+            )  # fmt: skip
+
+        # Read, count and claim are on the way to a tick's first release: they
+        # go as soon as everyone ready has asked; the rest may wait a little.
+        self._read = shared("read_destination", self._read_many)
+        self._inflight = shared("count_inflight", self._inflight_many)
+        self._claim = shared("claim_due", self._claim_many, on_abandoned=self._release_abandoned)
+        self._mark = shared("mark_offered", self._mark_many, lazy=True)
+        self._release = shared("release_claims", self._release_many, lazy=True)
+        self._save = shared("save_pacer_state", self._save_many, lazy=True)
+        self._park = shared("park_destinations", self._park_many, lazy=True)
         self._closed: frozenset[str] | None = None
         self._closed_at = -math.inf
         self._closed_refresh: anyio.Event | None = None
