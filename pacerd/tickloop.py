@@ -148,6 +148,7 @@ class TickLoop:
             return
         partitions = self.leadership.usable_partitions()
         woken = await self.ledger.wake_destinations(partitions, within_seconds=0.0)
+        fresh: dict[str, int] = {}
         for destination, partition in woken:
             if destination in self.active:
                 continue
@@ -160,7 +161,14 @@ class TickLoop:
             except PacerdError as exc:
                 log.error("declare_failed", destination=destination, queue=queue, error=str(exc))
                 continue
-            self._start(tg, destination, partition, grid)
+            fresh[destination] = partition
+        # Woken with nothing due and nothing in flight (new, or its work
+        # cancelled meanwhile): parked again at once, in one statement,
+        # without a task or a tick.
+        parked = await self.ledger.park_destinations(list(fresh)) if fresh else set()
+        for destination, partition in fresh.items():
+            if destination not in parked:
+                self._start(tg, destination, partition, grid)
 
     def _start(
         self, tg: anyio.abc.TaskGroup, destination: str, partition: int, grid: float
