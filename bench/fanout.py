@@ -530,6 +530,16 @@ class Section:
         self.daemons.append(d)
         return d
 
+    async def start_daemon(self, instance: str, out: dict[str, Any], within: float) -> Daemon:
+        """Starts ``instance`` and waits for its ``/readyz`` (the section's
+        start-up row); ``out["ready_s"]`` is the time, or None."""
+        daemon = self.daemon(instance)
+        daemon.start()
+        out["ready_s"], said = await wait_ready(daemon, within)
+        ready = out["ready_s"] if out["ready_s"] is not None else f"not ready ({said})"
+        self.run.row(self.name, "start-up: /readyz 200 after (s)", ready, "–", "")
+        return daemon
+
     async def start_workers(self, count: int) -> None:
         config = write_config(
             self.folder / "worker.toml", self.run, self.dsn, instance="fanout-worker", port=None
@@ -804,11 +814,7 @@ async def section_drain(run: Run) -> dict[str, Any]:
             out["backlog_setup_s"] = await schedule_backlog(conn, active, k, n=n, prefix="drain")
             await conn.execute("SELECT pacerd.pause()")
             await sec.start_workers(args.workers)
-            daemon = sec.daemon("fanout-a")
-            daemon.start()
-            out["ready_s"], said = await wait_ready(daemon, args.ready_timeout)
-            ready = out["ready_s"] if out["ready_s"] is not None else f"not ready ({said})"
-            run.row(sec.name, "start-up: /readyz 200 after (s)", ready, "–", "")
+            daemon = await sec.start_daemon("fanout-a", out, args.ready_timeout)
             width = name_width(n)
             try:
                 out["lead_s"], _ = await wait_led(
@@ -904,11 +910,7 @@ async def section_idle(run: Run) -> dict[str, Any]:
         conn = await sec.connect()
         try:
             out["known_setup_s"] = await make_known(conn, n)
-            daemon = sec.daemon("fanout-a")
-            daemon.start()
-            out["ready_s"], said = await wait_ready(daemon, args.ready_timeout)
-            ready = out["ready_s"] if out["ready_s"] is not None else f"not ready ({said})"
-            run.row(sec.name, "start-up: /readyz 200 after (s)", ready, "–", "")
+            daemon = await sec.start_daemon("fanout-a", out, args.ready_timeout)
             try:
                 out["lead_s"], _ = await wait_led(conn, [daemon], args.ready_timeout)
             except TimeoutError as exc:
@@ -991,11 +993,7 @@ async def section_statements(run: Run) -> dict[str, Any]:
         try:
             out["known_setup_s"] = await make_known(conn, n)
             await sec.start_workers(args.workers)
-            daemon = sec.daemon("fanout-a")
-            daemon.start()
-            out["ready_s"], said = await wait_ready(daemon, args.ready_timeout)
-            ready = out["ready_s"] if out["ready_s"] is not None else f"not ready ({said})"
-            run.row(sec.name, "start-up: /readyz 200 after (s)", ready, "–", "")
+            daemon = await sec.start_daemon("fanout-a", out, args.ready_timeout)
             try:
                 out["lead_s"], _ = await wait_led(conn, [daemon], args.ready_timeout)
             except TimeoutError as exc:

@@ -105,11 +105,6 @@ class LeaderLocks:
         conn = self._conn
         return None if conn is None or conn.is_closed() else conn.get_server_pid()
 
-    @property
-    def trusted_until(self) -> float:
-        """Until when (monotonic) this side trusts its locks without a new probe."""
-        return self._confirmed_at + self.lease_seconds
-
     def _session_ok(self) -> bool:
         conn = self._conn
         if conn is None or conn.is_closed():
@@ -252,15 +247,21 @@ class LeaderLocks:
         ended, or its lease lapsed); renews the lease meanwhile. A handover
         does not count: it ends between ticks (see ``begin_release``)."""
         while self.has_lock(name):
-            now = self.clock.monotonic()
-            renew_at = self._confirmed_at + self.lease_seconds / 4
-            if now >= renew_at:
-                with anyio.move_on_after(max(0.0, self._confirmed_at + self.lease_seconds - now)):
-                    await self.renew()
-                continue
-            changed = self.changed()
-            with anyio.move_on_after(renew_at - now):
-                await changed.wait()
+            await self.keep()
+
+    async def keep(self) -> None:
+        """One step of keeping the locks: renews the lease once a quarter of
+        it has passed (within what is left of it, so a lapse is seen when it
+        happens), else waits for that time or a change of what is held."""
+        now = self.clock.monotonic()
+        renew_at = self._confirmed_at + self.lease_seconds / 4
+        if now >= renew_at and self._conn is not None:
+            with anyio.move_on_after(max(0.0, self._confirmed_at + self.lease_seconds - now)):
+                await self.renew()
+            return
+        changed = self.changed()
+        with anyio.move_on_after(max(renew_at - now, 0.0) or self.lease_seconds / 4):
+            await changed.wait()
 
     # -- locks ---------------------------------------------------------------------
 

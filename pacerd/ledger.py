@@ -474,14 +474,14 @@ class Ledger:
         return row is not None and row.closed
 
     async def wake_destinations(
-        self, partitions: Sequence[int], *, within_seconds: float, now: dt.datetime | None = None
+        self, partitions: Sequence[int], now: dt.datetime | None = None
     ) -> list[tuple[str, int]]:
         """(destination, partition) of every destination of ``partitions``
-        that needs its leader within ``within_seconds``: the active ones and
-        those whose next job comes due (one index scan; idle ones cost nothing)."""
+        that needs its leader now: the active ones and those whose next job
+        has come due (one index scan; idle ones cost nothing)."""
         if not partitions:
             return []
-        rows = await self._fetch("wake_destinations", list(partitions), now, within_seconds)
+        rows = await self._fetch("wake_destinations", list(partitions), now)
         return [(r["destination"], r["partition"]) for r in rows]
 
     async def lock_parking(self, conn: Conn, destinations: Sequence[str]) -> None:
@@ -491,9 +491,9 @@ class Ledger:
     async def park_destinations(
         self, destinations: Sequence[str], now: dt.datetime | None = None
     ) -> set[str]:
-        """Parks those of ``destinations`` with nothing due and nothing in
-        flight (or paused): their leader plans them no more until their next
-        job comes due or they are resumed. Returns the parked ones."""
+        """Parks those of ``destinations`` with nothing due, nothing in flight
+        and no cool-down: their leader plans them no more until a job of theirs
+        comes due. Returns the parked ones."""
         if not destinations:
             return set()
         names = sorted(set(destinations))

@@ -147,7 +147,7 @@ class TickLoop:
         if not self.broker.connected:
             return
         partitions = self.leadership.usable_partitions()
-        woken = await self.ledger.wake_destinations(partitions, within_seconds=0.0)
+        woken = await self.ledger.wake_destinations(partitions)
         fresh: dict[str, int] = {}
         for destination, partition in woken:
             if destination in self.active:
@@ -232,7 +232,7 @@ class TickLoop:
 
     async def _cancel_lost(self) -> None:
         """Cancels, mid-tick, the ticks of every partition whose lock may no
-        longer be ours (someone else may lead it soon); renews the lease."""
+        longer be ours (someone else may lead it soon); keeps the lease renewed."""
         locks = self.leadership.locks
         while True:
             for destination, entry in list(self.active.items()):
@@ -241,15 +241,7 @@ class TickLoop:
                         "leadership_lost", destination=destination, partition=entry.partition
                     )
                     entry.scope.cancel()
-            changed = locks.changed()
-            quarter = locks.lease_seconds / 4
-            left = locks.trusted_until - self.clock.monotonic()
-            with anyio.move_on_after(min(quarter, left) if left > 0 else quarter):
-                await changed.wait()
-            if self.active:  # renewed within the lease: a lapse is seen when it happens
-                left = locks.trusted_until - self.clock.monotonic()
-                with anyio.move_on_after(left if left > 0 else quarter):
-                    await locks.renew()
+            await locks.keep()
 
     # -- health and reload -------------------------------------------------------------
 

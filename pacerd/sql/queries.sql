@@ -253,10 +253,10 @@ LEFT JOIN pacerd.partitions p ON p.partition = d.partition
 WHERE d.destination = ANY ($1::text[]);
 
 -- name: wake_destinations
--- The destinations of the partitions $1 that need their leader by $2 plus $3 seconds: active ones and those whose work came due (one index scan of wake_at).
+-- The destinations of the partitions $1 that need their leader now: active ones and those whose work came due (one index scan of wake_at).
 SELECT d.destination, d.partition
 FROM pacerd.destinations d
-WHERE d.wake_at <= coalesce($2::timestamptz, now()) + make_interval(secs => $3)
+WHERE d.wake_at <= coalesce($2::timestamptz, now())
   AND d.partition = ANY ($1::int[]);
 
 -- name: closed_destinations
