@@ -391,7 +391,8 @@ class DestinationAdmission:
         else:
             state = self._load_state(row, now)
             if self.anchor is not None:
-                state = replace(state, deadline=min(self.anchor, now))
+                tick = cfg.params.tick_seconds
+                state = replace(state, deadline=pacer.join_schedule(self.anchor, now, tick))
         previous, self._previous_row = self._previous_row, row
         window = counters_window(row, previous, interval_seconds=max(0.0, now - state.last_tick))
         skipped = None

@@ -268,6 +268,16 @@ def next_deadline(deadline: float, now: float, tick_seconds: float) -> float:
     return deadline + k * tick_seconds
 
 
+def join_schedule(anchor: float, now: float, tick_seconds: float) -> float:
+    """The deadline to carry when a destination joins, at ``now``, the
+    schedule ``anchor + k * tick_seconds``: its first tick then ends on the
+    schedule, at least half a tick and less than a tick and a half from now
+    (a first tick squeezed into the last milliseconds before a schedule point
+    would have no budget, and neither would the one after it)."""
+    last = anchor + math.floor((now - anchor) / tick_seconds) * tick_seconds
+    return last if last + tick_seconds - now >= tick_seconds / 2 else last + tick_seconds
+
+
 def split_lanes(budget: int, live_due: int, backlog_due: int, params: PacingParams) -> LaneSplit:
     """Work-conserving lane split: the live lane has ``live_share`` of the
     budget reserved; what one lane cannot use flows to the other. Due counts

@@ -670,3 +670,21 @@ def test_the_module_constants_are_documented_in_the_docstring() -> None:
     doc = pacer.__doc__ or ""
     for name in ("HEAVY_RATIO", "decrease_margin", "increase_step", "slow_start_factor"):
         assert name in doc
+
+
+@pytest.mark.parametrize(
+    ("now", "deadline", "first_end"),
+    [
+        (10.0, 10.0, 11.0),  # on a schedule point: a whole tick
+        (10.3, 10.0, 11.0),  # 0.7 of a tick left: this point
+        (10.5, 10.0, 11.0),  # half a tick left: still this point
+        (10.9, 11.0, 12.0),  # 0.1 of a tick left: the next one (1.1 ticks)
+        (7.95, 8.0, 9.0),
+    ],
+)
+def test_a_destination_joins_the_schedule_with_at_least_half_a_tick(
+    now: float, deadline: float, first_end: float
+) -> None:
+    carried = pacer.join_schedule(2.0, now, 1.0)
+    assert carried == pytest.approx(deadline)
+    assert pacer.next_deadline(carried, now, 1.0) == pytest.approx(first_end)
