@@ -2,7 +2,9 @@
 plus the read-only views the CLI prints (show, dead, status).
 
 Every write goes through the public SQL functions, exactly as a producer in
-another language would call them; reads use the documented tables.
+another language would call them; reads use the documented tables. The
+statements are the client's named blocks of ``sql/queries.sql`` (the last
+section), each named for the method that sends it.
 """
 
 from __future__ import annotations
@@ -20,11 +22,6 @@ if TYPE_CHECKING:
     from types import TracebackType
 
     import asyncpg
-
-_JOB_COLUMNS = (
-    "job_id, kind, destination, state, attempt, failures, max_attempts, next_attempt_at,"
-    " revision, payload, cursor, last_error, lease_expires_at, created_at, updated_at"
-)
 
 
 def _job_view(r: asyncpg.Record) -> JobView:
@@ -73,6 +70,16 @@ class DeadFilter:
         return " AND ".join(clauses), args
 
 
+def dead_statement(name: str, selection: DeadFilter, first_param: int) -> tuple[str, list[object]]:
+    """The template block ``name`` of ``sql/queries.sql`` (dead, count_dead,
+    replay_matching) with ``selection``'s conditions in its ``{where}``, their
+    placeholders numbered from ``first_param``, and the placeholder after them
+    in its ``{limit}``; and the conditions' arguments."""
+    where, args = selection.where(first_param)
+    sql = load_queries()[name].sql.format(where=where, limit=f"${first_param + len(args)}")
+    return sql, args
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DestinationStatus:
     """One destination as `pacerd status` shows it."""
@@ -100,6 +107,7 @@ class Client:
 
     def __init__(self, pool: asyncpg.Pool) -> None:
         self.pool = pool
+        self.queries = load_queries()
 
     @classmethod
     async def connect(cls, dsn: str, *, max_size: int = 4) -> Client:
@@ -118,6 +126,9 @@ class Client:
         tb: TracebackType | None,
     ) -> None:
         await self.close()
+
+    def _sql(self, name: str) -> str:
+        return self.queries[name].sql
 
     async def _val(self, sql: str, *args: object) -> Any:
         with translate_errors():
@@ -138,8 +149,7 @@ class Client:
     ) -> str:
         """'scheduled', 'revised' or 'unchanged' (see docs/protocol.md)."""
         result: str = await self._val(
-            "SELECT pacerd.schedule(job_id => $1, kind => $2, destination => $3, payload => $4,"
-            " eligible_at => coalesce($5, now()), revision => $6, max_attempts => $7)",
+            self._sql("schedule"),
             job_id,
             kind,
             destination,
@@ -163,8 +173,7 @@ class Client:
     ) -> str:
         """'applied', 'stale' or 'unknown'."""
         result: str = await self._val(
-            "SELECT pacerd.report(job_id => $1, attempt => $2, outcome => $3,"
-            " retry_after_s => $4, error => $5, detail => $6, cursor => $7)",
+            self._sql("report"),
             job_id,
             attempt,
             str(outcome),
@@ -176,15 +185,15 @@ class Client:
         return result
 
     async def cancel(self, job_id: str, reason: str | None = None) -> str:
-        result: str = await self._val("SELECT pacerd.cancel($1, $2)", job_id, reason)
+        result: str = await self._val(self._sql("cancel"), job_id, reason)
         return result
 
     async def replay(self, job_id: str, reason: str) -> str:
-        result: str = await self._val("SELECT pacerd.replay($1, $2)", job_id, reason)
+        result: str = await self._val(self._sql("replay"), job_id, reason)
         return result
 
     async def is_current(self, job_id: str, attempt: int) -> bool:
-        result: bool = await self._val("SELECT pacerd.is_current($1, $2)", job_id, attempt)
+        result: bool = await self._val(self._sql("is_current"), job_id, attempt)
         return result
 
     async def are_current(self, offers: Sequence[tuple[str, int]]) -> list[bool]:
@@ -193,35 +202,28 @@ class Client:
             return []
         with translate_errors():
             rows = await self.pool.fetch(
-                "SELECT pacerd.is_current(j, a) FROM unnest($1::text[], $2::int[])"
-                " WITH ORDINALITY AS t(j, a, n) ORDER BY n",
+                self._sql("are_current"),
                 [job_id for job_id, _ in offers],
                 [attempt for _, attempt in offers],
             )
         return [bool(row[0]) for row in rows]
 
     async def pause(self, destination: str | None = None) -> str:
-        result: str = await self._val("SELECT pacerd.pause($1)", destination)
+        result: str = await self._val(self._sql("pause"), destination)
         return result
 
     async def resume(self, destination: str | None = None) -> str:
-        result: str = await self._val("SELECT pacerd.resume($1)", destination)
+        result: str = await self._val(self._sql("resume"), destination)
         return result
 
     # -- operator views --------------------------------------------------------
 
     async def show(self, job_id: str) -> tuple[JobView, list[JobEvent]] | None:
         with translate_errors():
-            row = await self.pool.fetchrow(
-                f"SELECT {_JOB_COLUMNS} FROM pacerd.jobs WHERE job_id = $1", job_id
-            )
+            row = await self.pool.fetchrow(self._sql("show_job"), job_id)
             if row is None:
                 return None
-            events = await self.pool.fetch(
-                "SELECT id, job_id, attempt, event, at, detail FROM pacerd.job_events"
-                " WHERE job_id = $1 ORDER BY id",
-                job_id,
-            )
+            events = await self.pool.fetch(self._sql("show_events"), job_id)
         return _job_view(row), [
             JobEvent(
                 id=e["id"],
@@ -235,49 +237,30 @@ class Client:
         ]
 
     async def dead(self, selection: DeadFilter, *, limit: int = 100) -> list[JobView]:
-        where, args = selection.where(1)
+        sql, args = dead_statement("dead", selection, 1)
         with translate_errors():
-            rows = await self.pool.fetch(
-                f"SELECT {_JOB_COLUMNS} FROM pacerd.jobs WHERE {where}"
-                f" ORDER BY updated_at DESC, job_id LIMIT ${len(args) + 1}",
-                *args,
-                limit,
-            )
+            rows = await self.pool.fetch(sql, *args, limit)
         return [_job_view(r) for r in rows]
 
     async def count_dead(self, selection: DeadFilter) -> int:
-        where, args = selection.where(1)
-        result: int = await self._val(f"SELECT count(*) FROM pacerd.jobs WHERE {where}", *args)
+        sql, args = dead_statement("count_dead", selection, 1)
+        result: int = await self._val(sql, *args)
         return result
 
     async def replay_matching(self, selection: DeadFilter, reason: str, *, limit: int) -> int:
         """Replays up to ``limit`` dead jobs matching ``selection``, each
         through ``pacerd.replay`` with ``reason``; returns how many."""
-        where, args = selection.where(3)
-        result: int = await self._val(
-            "SELECT count(*) FILTER (WHERE pacerd.replay(job_id, $1) = 'replayed') FROM ("
-            f" SELECT job_id FROM pacerd.jobs WHERE {where} ORDER BY updated_at, job_id"
-            " LIMIT $2 FOR UPDATE SKIP LOCKED) s",
-            reason,
-            limit,
-            *args,
-        )
+        sql, args = dead_statement("replay_matching", selection, 3)
+        result: int = await self._val(sql, reason, limit, *args)
         return result
 
     async def status(self) -> list[DestinationStatus]:
         """Per destination: pause, due, oldest-due age, in flight, dead, and the
         pacer's last decision as its leader persisted it."""
         with translate_errors():
-            now: dt.datetime = await self.pool.fetchval("SELECT now()")
-            rows = await self.pool.fetch(
-                "SELECT d.destination, d.paused, c.paused_all, d.cooldown_until,"
-                " d.pacer_state::text AS pacer_state, p.leader, p.leader_since,"
-                " d.n_accepted, d.n_refused"
-                " FROM pacerd.destinations d CROSS JOIN pacerd.control c"
-                " LEFT JOIN pacerd.partitions p ON p.partition = d.partition"
-                " ORDER BY d.destination"
-            )
-            summary = await self.pool.fetch(load_queries()["due_summary"].sql, now, False)
+            now: dt.datetime = await self.pool.fetchval(self._sql("status_now"))
+            rows = await self.pool.fetch(self._sql("status"))
+            summary = await self.pool.fetch(self._sql("due_summary"), now, False)
         dues = {
             s["destination"]: DueSummary(
                 destination=s["destination"],

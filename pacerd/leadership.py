@@ -230,7 +230,7 @@ class LeaderLocks:
                 return self._conn is not None
             sent = self.clock.monotonic()
             try:
-                await self._query("SELECT 1")
+                await self._query(load_queries()["probe_session"].sql)
             except LedgerUnavailable:
                 return False
             self._confirmed_at = max(self._confirmed_at, sent)

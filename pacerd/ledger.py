@@ -1,7 +1,8 @@
 """The ledger: the only module of the daemon that sends SQL.
 
 It owns the asyncpg pool, the migrations and the daemon's private statements,
-loaded once from ``sql/queries.sql`` (one method per named block, same name).
+loaded once from ``sql/queries.sql`` (one method per named block, same name;
+the migration runner's bookkeeping statements are sent by name).
 Callers get frozen dataclasses from ``models.py``, never asyncpg records, and
 ``PacerdError``s, never asyncpg exceptions: every driver error is translated
 here with ``raise ... from exc``.
@@ -189,6 +190,7 @@ async def migrate(
     returns the names applied (empty when up to date). ``notice`` receives
     the server's notices and warnings about the setup."""
     roles = roles or RoleNames()
+    queries = load_queries()
     applied: list[str] = []
     try:
         conn: asyncpg.Connection = await asyncpg.connect(dsn, timeout=10)
@@ -196,25 +198,17 @@ async def migrate(
         raise LedgerUnavailable(f"the ledger cannot be reached: {exc}") from exc
     try:
         with translate_errors():
-            await conn.execute("SELECT pg_advisory_lock($1)", MIGRATION_LOCK_KEY)
-            await conn.execute(
-                "CREATE SCHEMA IF NOT EXISTS pacerd;"
-                "CREATE TABLE IF NOT EXISTS pacerd.migrations ("
-                " version integer PRIMARY KEY, name text NOT NULL,"
-                " applied_at timestamptz NOT NULL DEFAULT now())"
-            )
-            done = {r["version"] for r in await conn.fetch("SELECT version FROM pacerd.migrations")}
+            await conn.execute(queries["migration_lock"].sql, MIGRATION_LOCK_KEY)
+            await conn.execute(queries["create_schema"].sql)
+            await conn.execute(queries["create_migrations_table"].sql)
+            done = {r["version"] for r in await conn.fetch(queries["applied_migrations"].sql)}
             for version, name, sql in migration_files():
                 if version in done:
                     continue
                 try:
                     async with conn.transaction():
                         await conn.execute(sql)
-                        await conn.execute(
-                            "INSERT INTO pacerd.migrations (version, name) VALUES ($1, $2)",
-                            version,
-                            name,
-                        )
+                        await conn.execute(queries["record_migration"].sql, version, name)
                 except asyncpg.PostgresError as exc:
                     raise MigrationError(f"migration {name} failed: {exc}") from exc
                 applied.append(name)
@@ -228,26 +222,25 @@ async def migrate(
                     f"granting the roles failed: {exc} (where roles are made elsewhere,"
                     " create them there and use `pacerd migrate --no-roles`)"
                 ) from exc
-            if notice is not None and await conn.fetchval(
-                "SELECT rolsuper FROM pg_catalog.pg_roles WHERE rolname = current_user"
-            ):
+            if notice is not None and await conn.fetchval(queries["is_superuser"].sql):
                 notice(
                     "the pacerd functions run with the rights of their owner, a superuser:"
                     " run `pacerd migrate` and `pacerd run` as a dedicated role"
                 )
     finally:
         with contextlib.suppress(Exception):
-            await conn.execute("SELECT pg_advisory_unlock($1)", MIGRATION_LOCK_KEY)
+            await conn.execute(queries["migration_unlock"].sql, MIGRATION_LOCK_KEY)
         await conn.close()
     return applied
 
 
 async def pending_migrations(pool: asyncpg.Pool) -> list[str]:
+    queries = load_queries()
     with translate_errors():
-        exists = await pool.fetchval("SELECT to_regclass('pacerd.migrations') IS NOT NULL")
+        exists = await pool.fetchval(queries["migrations_table_exists"].sql)
         done: set[int] = set()
         if exists:
-            done = {r["version"] for r in await pool.fetch("SELECT version FROM pacerd.migrations")}
+            done = {r["version"] for r in await pool.fetch(queries["applied_migrations"].sql)}
     return [name for version, name, _ in migration_files() if version not in done]
 
 
@@ -553,7 +546,7 @@ class Ledger:
             raise ValueError(f"partitions must be between 1 and {MAX_PARTITIONS}, got {partitions}")
         with translate_errors():
             async with self.pool.acquire() as conn, conn.transaction():
-                await conn.execute("SELECT pg_advisory_xact_lock($1)", MIGRATION_LOCK_KEY)
+                await conn.execute(self._sql("migration_xact_lock"), MIGRATION_LOCK_KEY)
                 current = await conn.fetchval(self._sql("read_partitions"))
                 if current == partitions:
                     return

@@ -1,8 +1,10 @@
--- The daemon's private statements. One block per query:
+-- Every statement pacerd sends: the daemon's, the migration runner's, the client's. One block per query:
 --   -- name: <name>
 --   -- <one-line description>
 --   <statement>
--- ledger.py loads this file once and has one method per block, same name.
+-- ledger.py loads this file once and has one method per block, same name
+-- (the leadership session's are on LeaderLocks; the migration runner's are
+-- sent by name). The client's statements are in the last section.
 -- Time arrives as a parameter: coalesce($n::timestamptz, now()), so tests can
 -- pin it and production lets the database decide.
 --
@@ -405,3 +407,138 @@ SELECT pg_try_advisory_lock($1, hashtext($2));
 -- name: release
 -- Releases the leadership lock of one name on the lock session.
 SELECT pg_advisory_unlock($1, hashtext($2));
+
+-- name: probe_session
+-- The probe of the leadership session (LeaderLocks.alive): any answer renews the lease.
+SELECT 1;
+
+-- ---------------------------------------------------------------------------
+-- The migration runner's bookkeeping (ledger.migrate, ledger.pending_migrations,
+-- Ledger.set_partitions): the lock that serialises `pacerd migrate` runs ($1:
+-- MIGRATION_LOCK_KEY) and the table of applied migrations.
+-- ---------------------------------------------------------------------------
+
+-- name: migration_lock
+-- Waits for the migration lock ($1) on the migrating session.
+SELECT pg_advisory_lock($1);
+
+-- name: migration_unlock
+-- Releases the migration lock ($1) on the migrating session.
+SELECT pg_advisory_unlock($1);
+
+-- name: migration_xact_lock
+-- Waits for the migration lock ($1) until the end of the transaction (a change of partitions).
+SELECT pg_advisory_xact_lock($1);
+
+-- name: create_schema
+-- Creates the pacerd schema before the first migration.
+CREATE SCHEMA IF NOT EXISTS pacerd;
+
+-- name: create_migrations_table
+-- Creates the table of applied migrations before the first migration.
+CREATE TABLE IF NOT EXISTS pacerd.migrations (
+    version integer PRIMARY KEY, name text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now());
+
+-- name: migrations_table_exists
+-- Whether the table of applied migrations exists (pending_migrations on a ledger never migrated).
+SELECT to_regclass('pacerd.migrations') IS NOT NULL;
+
+-- name: applied_migrations
+-- The versions of the migrations applied.
+SELECT version FROM pacerd.migrations;
+
+-- name: record_migration
+-- Records migration $1 (version), $2 (file name) as applied, in its transaction.
+INSERT INTO pacerd.migrations (version, name) VALUES ($1, $2);
+
+-- name: is_superuser
+-- Whether the migrating role is a superuser (a notice: the functions run with their owner's rights).
+SELECT rolsuper FROM pg_catalog.pg_roles WHERE rolname = current_user;
+
+-- ---------------------------------------------------------------------------
+-- The client's statements (client.py: producers, workers, operators and the
+-- CLI). Each block is named for the Client method that sends it. Writes call
+-- the public SQL functions, as a producer in another language would; reads use
+-- the documented tables.
+--
+-- dead, count_dead and replay_matching are templates: {where} is filled with
+-- the conditions of a DeadFilter (client.dead_statement; its placeholders come
+-- after the block's own) and {limit} with the placeholder after them.
+-- ---------------------------------------------------------------------------
+
+-- name: schedule
+-- Schedules a job, or revises it (pacerd.schedule): 'scheduled', 'revised' or 'unchanged'.
+SELECT pacerd.schedule(job_id => $1, kind => $2, destination => $3, payload => $4,
+                       eligible_at => coalesce($5, now()), revision => $6, max_attempts => $7);
+
+-- name: report
+-- Reports the outcome of one attempt (pacerd.report): 'applied', 'stale' or 'unknown'.
+SELECT pacerd.report(job_id => $1, attempt => $2, outcome => $3,
+                     retry_after_s => $4, error => $5, detail => $6, cursor => $7);
+
+-- name: cancel
+-- Cancels job $1, $2 the reason (pacerd.cancel).
+SELECT pacerd.cancel($1, $2);
+
+-- name: replay
+-- Replays dead job $1, $2 the reason (pacerd.replay).
+SELECT pacerd.replay($1, $2);
+
+-- name: is_current
+-- Whether attempt $2 of job $1 is still the current offer (pacerd.is_current).
+SELECT pacerd.is_current($1, $2);
+
+-- name: are_current
+-- pacerd.is_current for each (job $1[i], attempt $2[i]), in their order.
+SELECT pacerd.is_current(j, a) FROM unnest($1::text[], $2::int[])
+WITH ORDINALITY AS t(j, a, n) ORDER BY n;
+
+-- name: pause
+-- Pauses destination $1, or every destination when NULL (pacerd.pause).
+SELECT pacerd.pause($1);
+
+-- name: resume
+-- Resumes destination $1, or every destination when NULL (pacerd.resume).
+SELECT pacerd.resume($1);
+
+-- name: show_job
+-- One job, every column `pacerd show` prints.
+SELECT job_id, kind, destination, state, attempt, failures, max_attempts, next_attempt_at,
+       revision, payload, cursor, last_error, lease_expires_at, created_at, updated_at
+FROM pacerd.jobs WHERE job_id = $1;
+
+-- name: show_events
+-- The events of one job, oldest first, for `pacerd show`.
+SELECT id, job_id, attempt, event, at, detail FROM pacerd.job_events
+WHERE job_id = $1 ORDER BY id;
+
+-- name: dead
+-- The dead jobs matching a filter ({where}), most recently dead first, up to {limit}.
+SELECT job_id, kind, destination, state, attempt, failures, max_attempts, next_attempt_at,
+       revision, payload, cursor, last_error, lease_expires_at, created_at, updated_at
+FROM pacerd.jobs WHERE {where}
+ORDER BY updated_at DESC, job_id LIMIT {limit};
+
+-- name: count_dead
+-- How many dead jobs match a filter ({where}).
+SELECT count(*) FROM pacerd.jobs WHERE {where};
+
+-- name: replay_matching
+-- Replays up to $2 dead jobs matching a filter ({where}), oldest first, each through pacerd.replay with reason $1; returns how many.
+SELECT count(*) FILTER (WHERE pacerd.replay(job_id, $1) = 'replayed') FROM (
+    SELECT job_id FROM pacerd.jobs WHERE {where} ORDER BY updated_at, job_id
+    LIMIT $2 FOR UPDATE SKIP LOCKED) s;
+
+-- name: status_now
+-- The database's clock, the one instant `pacerd status` measures ages and cool-downs from.
+SELECT now();
+
+-- name: status
+-- Every destination with its pause, cool-down, persisted pacer state, leader and counters, for `pacerd status`.
+SELECT d.destination, d.paused, c.paused_all, d.cooldown_until,
+       d.pacer_state::text AS pacer_state, p.leader, p.leader_since,
+       d.n_accepted, d.n_refused
+FROM pacerd.destinations d CROSS JOIN pacerd.control c
+LEFT JOIN pacerd.partitions p ON p.partition = d.partition
+ORDER BY d.destination;
