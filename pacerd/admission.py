@@ -192,8 +192,6 @@ class _Publishing:
     timed_out: bool = False
     stopped: bool = False
     closed: bool = False
-    marking: bool = False  # a mark statement in flight (one at a time)
-    mark_at: float = 0.0  # no mark before this (MARKS_PER_TICK a tick)
 
 
 class _Room:
@@ -521,9 +519,7 @@ class DestinationAdmission:
         the whole limit while chunks keep coming full. The release points lie
         on a grid shifted every tick (``PHASE_STEP``). Confirmed jobs are
         marked offered up to ``MARKS_PER_TICK`` times a tick, off the release
-        schedule (a slow mark never delays a release): after a slice's
-        confirms, when the last mark is old enough, and at the tick's end.
-        Stops early on
+        schedule (a slow mark never delays a release). Stops early on
         shutdown or when the destination closes mid-tick (a Retry-After or a
         pause reported meanwhile), and releases every claimed job it did not
         publish (cancelled too: the tick's leadership lost)."""
@@ -545,10 +541,18 @@ class DestinationAdmission:
                 slices.append((at, index + 1))
         next_check = started  # the first release looks: the claim and the shift took time
         room = _Room(MAX_UNCONFIRMED)
-        outcome.mark_at = self.clock.monotonic() + tick / MARKS_PER_TICK
+        marking = anyio.CancelScope()  # cancelled once every slice is out
         sent = 0  # claims.jobs[:sent] went to a slice (which settles them)
+
+        async def mark_periodically() -> None:
+            with marking:
+                while True:
+                    await self.clock.sleep_until(self.clock.monotonic() + tick / MARKS_PER_TICK)
+                    await self._flush_confirmed(outcome)
+
         try:
             async with anyio.create_task_group() as tg:
+                tg.start_soon(mark_periodically)
                 for at, end in slices:
                     claims.claim_ahead(tg, end)
                     await self.clock.sleep_until(started + at)
@@ -565,7 +569,9 @@ class DestinationAdmission:
                     await room.take(len(group))
                     sent += len(group)
                     tg.start_soon(self._publish_slice, group, outcome, room)
+                marking.cancel()  # the rest is marked once every slice has its confirms
         finally:
+            marking.cancel()
             # a chunk in flight when the loop ended completed inside the task
             # group: its jobs, and every other one not sent, are released below
             claims.stop()
@@ -641,23 +647,6 @@ class DestinationAdmission:
                 count=rejected,
                 error=str(first_error),
             )
-        await self._mark_when_due(outcome)
-
-    async def _mark_when_due(self, outcome: _Publishing) -> None:
-        """After a slice's confirms: marks what is confirmed and not yet
-        marked, unless a mark is in flight or the last one was less than
-        ``tick / MARKS_PER_TICK`` ago (the end of the tick marks the rest).
-        It runs in the slice's task, off the release schedule: a slow mark
-        never delays a release."""
-        if outcome.marking or self.clock.monotonic() < outcome.mark_at:
-            return
-        outcome.marking = True
-        try:
-            await self._flush_confirmed(outcome)
-        finally:
-            outcome.marking = False
-            tick = self.config.params.tick_seconds
-            outcome.mark_at = self.clock.monotonic() + tick / MARKS_PER_TICK
 
     def _after_publishing(self, outcome: _Publishing) -> None:
         """Backs off the broker after a tick that lost it or timed out on its
