@@ -282,6 +282,11 @@ def drain_eta(history: Sequence[Sample], window: int = 10) -> float | None:
     return last.due / done if done > 0 else None
 
 
+def latest(samples: Sequence[Sample]) -> list[Sample]:
+    """Each destination's newest sample, in the order they first appear."""
+    return list({s.destination: s for s in samples}.values())
+
+
 def print_progress(latest: Sequence[Sample], second: int) -> None:
     parts = [
         f"{s.destination}: cap {s.capacity:.0f}/s rate {_rate(s.rate)}/s sent "

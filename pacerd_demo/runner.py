@@ -96,6 +96,7 @@ class Demo:
         self.processes: list[tuple[str, Process]] = []
         self.live_ids: list[str] = []
         self.samples: list[report.Sample] = []
+        self.sampled_upto: dict[str, int] = {}  # per destination: upstream seconds sampled
         self.stop = anyio.Event()
         self.failure: str | None = None
 
@@ -164,6 +165,9 @@ class Demo:
                 await self.clock.sleep_until(started + count * interval)
 
     async def sample(self, client: Client, t: float) -> list[report.Sample]:
+        """A sample per destination and whole upstream second since the last
+        call (none when no second ended); the ledger's figures are read now,
+        for each of them."""
         status = {s.destination: s for s in await client.status()}
         # the backlog's own due jobs (retries included), apart from the live trickle's
         rows = await client.pool.fetch(
@@ -176,21 +180,23 @@ class Demo:
         completed = {r["destination"]: r["completed"] for r in rows}
         backlog_due = {r["destination"]: r["backlog_due"] for r in rows}
         rates = await self.pacer_rates(client)
-        samples = []
+        samples: list[report.Sample] = []
         for d in self.plan.destinations:
-            upstream = self.upstreams[d.name]
-            seconds = upstream.model.seconds(self.clock.monotonic())
-            last = seconds[-2] if len(seconds) > 1 else seconds[-1]
+            # every whole second of the upstream once, also when this sample
+            # comes late: a busy host does not drop or repeat a second's calls
+            whole = self.upstreams[d.name].model.seconds(self.clock.monotonic())[:-1]
+            new = whole[self.sampled_upto.get(d.name, 0) :]
+            self.sampled_upto[d.name] = len(whole)
             s = status.get(d.name)
-            samples.append(
+            samples.extend(
                 report.Sample(
                     t=t,
-                    second=last.second,
+                    second=second.second,
                     destination=d.name,
-                    capacity=last.capacity,
-                    accepted=last.accepted,
-                    refused=last.refused,
-                    errors=last.errors,
+                    capacity=second.capacity,
+                    accepted=second.accepted,
+                    refused=second.refused,
+                    errors=second.errors,
                     rate=s.rate if s and s.rate is not None else rates.get(d.name),
                     due=s.due if s else d.backlog,
                     backlog_due=backlog_due.get(d.name, 0),
@@ -200,6 +206,7 @@ class Demo:
                     completed=completed.get(d.name, 0),
                     dead=s.dead if s else 0,
                 )
+                for second in new
             )
         return samples
 
@@ -224,7 +231,7 @@ class Demo:
             if live is not None:
                 live.update(view)
             elif k % 5 == 0:
-                report.print_progress(self.samples[-len(self.plan.destinations) :], k)
+                report.print_progress(report.latest(self.samples), k)
             if self.stop.is_set():
                 break
 
