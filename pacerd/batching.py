@@ -65,7 +65,9 @@ class Coalescer(Generic[_K, _R]):
     caller gets its own result (``run`` returns one per key, in order).
 
     The first caller of a batch runs it: it yields while others keep
-    joining (up to ``MAX_ROUNDS`` rounds, then ``window_seconds`` more),
+    joining (up to ``MAX_ROUNDS`` rounds, then ``window_seconds`` more, and
+    until the statement of the batch before has ended: one statement of a
+    kind at a time, so that callers slowed by a busy loop still share one),
     then runs the statement shielded, so that a caller cancelled meanwhile
     (its leadership lost) does not fail the others. ``on_abandoned`` gets
     the result of a caller that was cancelled while it waited (a claim's
@@ -87,6 +89,7 @@ class Coalescer(Generic[_K, _R]):
         self.window_seconds = window_seconds
         self._on_abandoned = on_abandoned
         self._open: _Batch[_K, _R] | None = None
+        self._running: anyio.Event | None = None  # set when this kind's statement ends
         self.statements = counts if counts is not None else Counter()
 
     async def __call__(self, key: _K) -> _R:
@@ -108,12 +111,17 @@ class Coalescer(Generic[_K, _R]):
         cancelled: BaseException | None = None
         try:
             await self._gather(batch)
+            while self._running is not None:  # callers meanwhile join this batch
+                await self._running.wait()
         except BaseException as exc:  # cancelled: the batch still runs, for the others
             cancelled = exc
         finally:
             if self._open is batch:
                 self._open = None
         with anyio.CancelScope(shield=True):
+            while self._running is not None:  # one statement of a kind at a time
+                await self._running.wait()
+            running = self._running = anyio.Event()
             try:
                 self.statements[self.name] += 1
                 batch.results = await self._run(batch.keys)
@@ -121,6 +129,8 @@ class Coalescer(Generic[_K, _R]):
                 batch.error = exc
             finally:
                 batch.done.set()
+                self._running = None
+                running.set()
             if batch.results is not None and self._on_abandoned is not None:
                 for index in batch.abandoned:
                     await self._on_abandoned(batch.keys[index], batch.results[index])
