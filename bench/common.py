@@ -13,6 +13,7 @@ Environment:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import platform
@@ -107,6 +108,24 @@ async def seed(
     finally:
         await conn.close()
     return time.perf_counter() - t0
+
+
+async def wait_leader(
+    conn: asyncpg.Connection, proc: subprocess.Popen[Any], destination: str = DESTINATION
+) -> None:
+    """Until an instance leads ``destination``'s partition (the leader lives in
+    ``pacerd.partitions``), or the daemon exits, or a minute passes."""
+    deadline = time.monotonic() + 60
+    while not await conn.fetchval(
+        "SELECT p.leader IS NOT NULL FROM pacerd.destinations d"
+        " JOIN pacerd.partitions p ON p.partition = d.partition WHERE d.destination = $1",
+        destination,
+    ):
+        if proc.poll() is not None:
+            raise RuntimeError(f"the daemon exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError("the daemon did not take the lead")
+        await asyncio.sleep(0.1)
 
 
 async def state_counts(dsn: str) -> dict[str, int]:

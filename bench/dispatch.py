@@ -110,21 +110,6 @@ def start_pyspy(pid: int, output: Path) -> subprocess.Popen[bytes]:
     )  # fmt: skip
 
 
-async def _wait_leader(conn: asyncpg.Connection, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 60
-    while True:
-        leader = await conn.fetchval(
-            "SELECT leader FROM pacerd.destinations WHERE destination = $1", common.DESTINATION
-        )
-        if leader is not None:
-            return
-        if proc.poll() is not None:
-            raise RuntimeError(f"the daemon exited with {proc.returncode}")
-        if time.monotonic() > deadline:
-            raise TimeoutError("the daemon did not take the lead")
-        await asyncio.sleep(0.1)
-
-
 async def drain(
     dsn: str,
     *,
@@ -147,7 +132,7 @@ async def drain(
     spy: subprocess.Popen[bytes] | None = None
     final = "offered" if mode == "ack" else "completed"
     try:
-        await _wait_leader(conn, proc)
+        await common.wait_leader(conn, proc)
         await asyncio.sleep(0.5)
         if profile is not None:
             spy = start_pyspy(proc.pid, profile / "full_cycle.txt")
@@ -205,7 +190,7 @@ async def idle_cost(dsn: str, seconds: float) -> tuple[float, float]:
         env.pop(key)  # the defaults
     proc = start_daemon(env)
     try:
-        await _wait_leader(conn, proc)
+        await common.wait_leader(conn, proc)
         await asyncio.sleep(3.0)  # past start-up
         before = common.proc_sample(proc.pid)
         t0 = time.perf_counter()

@@ -438,19 +438,6 @@ def spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
     )  # fmt: skip
 
 
-async def wait_leader(conn: asyncpg.Connection, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 60
-    while not await conn.fetchval(
-        "SELECT leader IS NOT NULL FROM pacerd.destinations WHERE destination = $1",
-        common.DESTINATION,
-    ):
-        if proc.poll() is not None:
-            raise RuntimeError(f"the daemon exited with {proc.returncode}")
-        if time.monotonic() > deadline:
-            raise TimeoutError("the daemon did not take the lead")
-        await asyncio.sleep(0.1)
-
-
 async def run_pacerd(dsn: str, plan: Plan) -> Trace:
     conn = await asyncpg.connect(dsn)
     up = await asyncio.to_thread(start_upstream, plan)
@@ -466,7 +453,7 @@ async def run_pacerd(dsn: str, plan: Plan) -> Trace:
             procs.append(spawn(["worker", "--app", "bench.real_scenarios:app"], env))
         daemon = spawn(["run"], env)
         procs.append(daemon)
-        await wait_leader(conn, daemon)
+        await common.wait_leader(conn, daemon)
         await asyncio.sleep(1.5)  # the workers consume by now
         t0 = time.time()
         await conn.execute("SELECT pacerd.resume($1)", common.DESTINATION)

@@ -162,7 +162,7 @@ async def _cycle(
     )
     try:
         await wait_consumers(len(procs), procs)
-        await dispatch._wait_leader(conn, daemon)
+        await common.wait_leader(conn, daemon)
         await asyncio.sleep(0.5)
         before = [common.proc_sample(p.pid).cpu_seconds for p in procs]
         daemon_before = common.proc_sample(daemon.pid).cpu_seconds

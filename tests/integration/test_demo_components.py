@@ -84,7 +84,7 @@ async def test_the_demo_parts_drain_a_small_backlog_without_loss_or_duplicates(
     demo = Demo(plan, dsn=db_dsn, amqp_url=amqp_url, output=tmp_path)
     tap = OutcomeTap(amqp_url, ledger, accept=lambda job_id: job_id.startswith(plan.run_id))
     try:
-        with anyio.fail_after(15):
+        with anyio.fail_after(45):  # about 6 rounds of a second; guards only against a hang
             async with tap:
                 for d in plan.destinations:
                     await schedule_backlog(client, plan, d)
@@ -98,18 +98,23 @@ async def test_the_demo_parts_drain_a_small_backlog_without_loss_or_duplicates(
                 worker = Worker(build_app(urls), broker_url=amqp_url, dsn=db_dsn)
                 async with anyio.create_task_group() as tg:
                     await tg.start(worker.run)
-                    for second in range(1, 30):  # a hand-cranked tick per round
-                        offered = 0
-                        for d in plan.destinations:
-                            offered += len(await offer_due(ledger, broker, d.name, limit=40))
-                        if offered:
-                            results = {t.result for t in await tap.apply(offered)}
-                            assert results == {"applied"}
+                    # A hand-cranked tick per round, a second apart, each sampled
+                    # before it offers: every round's sample then covers a whole
+                    # upstream second that began and ended with backlog left (at
+                    # 20 a round, 80 per destination take four rounds), however
+                    # fast or slow the host runs the calls.
+                    for second in range(1, 30):
                         demo.samples += await demo.sample(client, float(second))
                         done = demo_report.latest(demo.samples)  # retries included
                         if len(done) == 2 and sum(s.completed for s in done) == 160:
                             break
-                        await anyio.sleep(0.2)
+                        offered = 0
+                        for d in plan.destinations:
+                            offered += len(await offer_due(ledger, broker, d.name, limit=20))
+                        if offered:
+                            results = {t.result for t in await tap.apply(offered)}
+                            assert results == {"applied"}
+                        await anyio.sleep(1.0)
                     worker.request_stop()
                 summary = await demo_report.summarize(
                     plan, client, demo.samples, demo.upstreams, demo.live_ids
