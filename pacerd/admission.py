@@ -64,6 +64,10 @@ CLAIM_CHUNK = 1000
 # release slice (at most ~50 PK reads a second while the tick publishes): a
 # Retry-After reported mid-tick stops the releases at the next slice.
 CLOSED_CHECK_SECONDS = 0.019
+# A tick whose budget is at least pacer.BRAKE_MIN_BUDGET reads its own fresh
+# outcome counters at most this often while it releases (pacer.brake): a
+# rate far over the capacity is cut within the tick, not a tick later.
+BRAKE_CHECK_SECONDS = 0.05
 # After a tick lost the broker or timed out on confirms, admission skips ticks
 # for a backoff (doubling up to the maximum), then probes with one job: a
 # blocked or restarting broker is not fed a tick's budget every tick.
@@ -192,6 +196,8 @@ class _Publishing:
     timed_out: bool = False
     stopped: bool = False
     closed: bool = False
+    claimed: int = 0  # every job the tick claimed (a mid-tick cut claims again)
+    cut_released: int = 0  # claims a mid-tick cut gave back unsent
 
 
 class _Room:
@@ -284,6 +290,12 @@ class _Claims:
         """No more chunks (one in flight completes)."""
         self.done = True
 
+    async def settle(self) -> None:
+        """No more chunks, and none in flight: ``jobs`` is final."""
+        self.done = True
+        while self.claiming:
+            await self._changed.wait()
+
 
 def counters_window(
     row: DestinationRow, previous: DestinationRow | None, *, interval_seconds: float
@@ -333,6 +345,7 @@ class DestinationAdmission:
         self.state: pacer.PacerState | None = None
         self.next_deadline: float | None = None  # the last plan's, for run_destination
         self._previous_row: DestinationRow | None = None
+        self._window_since = 0.0  # when _previous_row was read (the next window's start)
         self._demand: pacer.Demand | None = None
         self._broker_backoff = 0.0
         self._broker_retry_at: float | None = None
@@ -394,7 +407,9 @@ class DestinationAdmission:
                 tick = cfg.params.tick_seconds
                 state = replace(state, deadline=pacer.join_schedule(self.anchor, now, tick))
         previous, self._previous_row = self._previous_row, row
-        window = counters_window(row, previous, interval_seconds=max(0.0, now - state.last_tick))
+        since = self._window_since if previous is not None else state.last_tick
+        self._window_since = now
+        window = counters_window(row, previous, interval_seconds=max(0.0, now - since))
         skipped = None
         if self.is_paused_locally():
             skipped = "paused_local"
@@ -440,7 +455,8 @@ class DestinationAdmission:
             if claimed:
                 outcome = await self._publish_spread(claims, plan, started=now)
                 self._after_publishing(outcome)
-        admitted = would_admit if cfg.shadow else len(claimed)
+                state = self.state  # a brake may have cut the rate mid-tick
+        admitted = would_admit if cfg.shadow else max(len(claimed), outcome.claimed)
         self._demand = pacer.Demand(
             budget=plan.budget if skipped is None else 0,
             admitted=admitted,
@@ -455,7 +471,7 @@ class DestinationAdmission:
             live_budget=plan.live_budget,
             claimed=admitted,
             offered=len(outcome.confirmed),
-            released=len(outcome.failed),
+            released=len(outcome.failed) + outcome.cut_released,
             inflight=inflight,
             accepted=window.accepted,
             refused=window.refused,
@@ -531,18 +547,29 @@ class DestinationAdmission:
         grain = tick / MAX_SLICES_PER_TICK
         self._phase = (self._phase + PHASE_STEP) % 1.0
         shift = self._phase * min(grain, PHASE_SPAN_SECONDS)
-        slices: list[tuple[float, int]] = []  # (release point, end index)
-        for index, offset in enumerate(offsets):
-            # the release point on the tick's shifted grid, never before the pacer's offset
-            at = shift + math.ceil((offset - shift) / grain - 1e-9) * grain
-            if slices and slices[-1][0] == at:
-                slices[-1] = (at, index + 1)
-            else:
-                slices.append((at, index + 1))
+
+        def on_grid(offsets: Sequence[float], first: int) -> list[tuple[float, int]]:
+            """(release point, end index) of each slice: the points on the tick's
+            shifted grid, never before the pacer's offset of their jobs."""
+            out: list[tuple[float, int]] = []
+            for index, offset in enumerate(offsets, start=first):
+                at = shift + math.ceil((offset - shift) / grain - 1e-9) * grain
+                if out and out[-1][0] == at:
+                    out[-1] = (at, index + 1)
+                else:
+                    out.append((at, index + 1))
+            return out
+
+        slices = on_grid(offsets, 0)
+        span = plan.spacing_seconds * max(plan.budget, 1)  # the tick's releases end by then
+        # the last reading before any fresh refusal of the tick (None: not watched)
+        clean = self._previous_row if plan.budget >= pacer.BRAKE_MIN_BUDGET else None
+        next_brake = started + BRAKE_CHECK_SECONDS
         next_check = started  # the first release looks: the claim and the shift took time
         room = _Room(MAX_UNCONFIRMED)
         marking = anyio.CancelScope()  # cancelled once every slice is out
         sent = 0  # claims.jobs[:sent] went to a slice (which settles them)
+        earlier = 0  # jobs claimed before a mid-tick cut claimed again
 
         async def mark_periodically() -> None:
             with marking:
@@ -553,7 +580,10 @@ class DestinationAdmission:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(mark_periodically)
-                for at, end in slices:
+                i = 0
+                while i < len(slices):
+                    at, end = slices[i]
+                    i += 1
                     claims.claim_ahead(tg, end)
                     await self.clock.sleep_until(started + at)
                     await claims.wait_for(end)
@@ -566,6 +596,26 @@ class DestinationAdmission:
                     if outcome.closed or (self.stop is not None and self.stop.is_set()):
                         outcome.stopped = not outcome.closed
                         break
+                    if clean is not None and self.clock.monotonic() >= next_brake:
+                        next_brake = self.clock.monotonic() + BRAKE_CHECK_SECONDS
+                        clean, cut = await self._brake(clean)
+                        if cut:
+                            # The claims not yet sent go back and the rest of the
+                            # tick is claimed afresh at the cut's epoch, evenly
+                            # over what is left at the new rate: their outcomes
+                            # are the evidence of the new rate (a later brake
+                            # needs them: one cut per round trip).
+                            done = self.clock.monotonic() - started
+                            assert self.state is not None
+                            n = max(0, math.floor(self.state.rate * max(0.0, span - done)))
+                            live = min(n, math.ceil(self.config.params.live_share * n))
+                            await claims.settle()  # no chunk in flight: jobs is final
+                            earlier += len(claims.jobs)
+                            outcome.cut_released += len(claims.jobs) - sent
+                            claims = await self._claim_again(claims, sent, n, live)
+                            sent, i = 0, 0
+                            slices = on_grid([done + k * (span - done) / n for k in range(n)], 0)
+                            continue
                     await room.take(len(group))
                     sent += len(group)
                     tg.start_soon(self._publish_slice, group, outcome, room)
@@ -575,6 +625,7 @@ class DestinationAdmission:
             # a chunk in flight when the loop ended completed inside the task
             # group: its jobs, and every other one not sent, are released below
             claims.stop()
+            outcome.claimed = earlier + len(claims.jobs)
             outcome.failed.extend(job.ref for job in claims.jobs[sent:])
             with anyio.CancelScope(shield=True):
                 await self._flush_confirmed(outcome, final=True)
@@ -590,6 +641,63 @@ class DestinationAdmission:
                     )
                     await self.ledger.release_claims(outcome.failed, reason=reason)
         return outcome
+
+    async def _claim_again(
+        self, claims: _Claims, sent: int, limit: int, live_limit: int
+    ) -> _Claims:
+        """After a mid-tick cut: releases the claims of ``claims`` (settled)
+        not yet sent and claims up to ``limit`` jobs anew (at the cut's epoch). A
+        ledger failure ends the tick's releases; what could not be released
+        returns at its claim lease's end."""
+        rest = [job.ref for job in claims.jobs[sent:]]
+        fresh = _Claims(self._claim_chunk, limit=limit, live_limit=live_limit)
+        try:
+            if rest:
+                await self.ledger.release_claims(rest, reason="rate_cut")
+            if limit > 0:
+                await fresh.next_chunk()
+        except LedgerError as exc:
+            log.warning("claim_stopped", destination=self.config.destination, error=str(exc))
+            fresh.stop()
+        return fresh
+
+    async def _brake(self, clean: DestinationRow) -> tuple[DestinationRow, bool]:
+        """Mid-tick: whether the fresh outcomes heard since ``clean`` (the
+        last reading before any fresh refusal since the tick began or the last
+        cut, so that they measure the upstream since it began refusing) made
+        the pacer cut the rate (``pacer.brake``), with the reading to count
+        from next time. A cut is persisted at once, with its epoch, as at a
+        tick's start; the next tick's window starts there. A ledger that
+        cannot answer changes nothing."""
+        cfg = self.config
+        assert self.state is not None
+        try:
+            row = await self.ledger.read_destination(cfg.destination)
+        except LedgerError:
+            return clean, False
+        if row is None:
+            return clean, False
+        if row.n_refused_fresh == clean.n_refused_fresh:
+            return row, False
+        window = counters_window(row, clean, interval_seconds=0.0)
+        cut = pacer.brake(self.state, window, cfg.params)
+        if cut is None:
+            return clean, False
+        self.state = cut
+        self._previous_row, self._window_since = row, self.clock.monotonic()
+        persisted = {**(row.pacer_state or {}), "pacer": cut.to_dict()}
+        try:
+            await self.ledger.save_pacer_state(cfg.destination, persisted, epoch=cut.epoch)
+        except LedgerError as exc:
+            log.warning("brake_not_saved", destination=cfg.destination, error=str(exc))
+        log.debug(
+            "rate_braked",
+            destination=cfg.destination,
+            rate=round(cut.rate, 3),
+            refused=window.refused_fresh,
+            outcomes=window.accepted_fresh + window.refused_fresh,
+        )
+        return row, True
 
     async def _closed_meanwhile(self) -> bool:
         """Whether the destination closed since the claim (a pause, or a

@@ -13,7 +13,10 @@ The law, per destination:
   epoch, i.e. after the last cut — reach ``max(refusal_min_count,
   refusal_threshold * fresh outcomes)``. Refusals of jobs admitted before the
   last cut never cut again: one cut per round trip. A Retry-After is always an
-  episode.
+  episode. Fresh refusals under that bound add up from tick to tick (decayed
+  with a time constant of ``ACCUMULATE_S``): once they reach it over the
+  outcomes they came among, that is an episode too (a rate held a little over
+  the capacity refuses a few calls every tick, never enough in one).
 - **Cut.** The capacity estimate is the accepted rate of what was sent,
   ``sent * (1 - refused/outcomes)``; the rate is cut to ``estimate * (1 -
   decrease_margin)``, and so is the remembered *ceiling*: every cut has that
@@ -67,9 +70,10 @@ The law, per destination:
   the slack (a round trip of outcomes on their way and the estimate's error;
   twice, so that another sender's brief cut is not taken for growth), the
   capacity has grown: the increase then doubles every round trip until the
-  next episode. So it does after ``PROBE_RTTS`` clean round trips with demand
-  at or above a firm ceiling (no refusal at all meanwhile): a firm ceiling
-  set from a bursty window may sit well under the capacity, and the surplus
+  next episode. So it does after ``PROBE_RTTS`` clean round trips with
+  demand at or above a firm ceiling (no refusal at all meanwhile): a firm
+  ceiling set from a bursty window may sit well under the capacity (and a
+  capacity that came back after a drop looks just the same), and the surplus
   test alone takes ten round trips or more to say so. A ladder's step never
   exceeds ``LADDER_MAX`` of the rate: a probe overshoots by about its last
   step, a round trip before its refusals come back.
@@ -82,6 +86,22 @@ The law, per destination:
   429: it says when the next token comes, not that a box closed) holds only
   ``SHORT_HOLD_RTTS`` round trips; a capacity step up is then followed as
   after any cut.
+- **Brake.** A tick's outcomes come back within the tick (a round trip is
+  tens of milliseconds, a tick a second), so a tick whose budget is at least
+  ``BRAKE_MIN_BUDGET`` looks at its fresh outcomes while it releases
+  (:func:`brake`). At least ``BRAKE_MIN_FACTOR * refusal_min_count`` fresh
+  refusals making ``BRAKE_RATIO`` of them mean the rate is well over the
+  capacity now: the rate is cut at once to ``rate * accepted share`` (never
+  under ``decrease_factor * rate``) and the rest of the tick is released at
+  the new rate. Only in slow start: its overshoot is of its own making, so
+  the share measures the capacity; past it, a brake on a capacity drop or on
+  a probe cut by a few dozen outcomes, too noisy an estimate to hold (the
+  simulation's oscillation and fairness targets say so), and the tick's own
+  step decides. Slow start ends there, a round trip after its
+  overshoot began rather than a tick later. Fewer refusals (a burst against
+  a small bucket, a probe) are left to the tick's own step. An episode right
+  after a brake is never heavy: its outcomes are of jobs claimed at the
+  brake's rate.
 - **Budget.** ``floor(credit + rate * elapsed)`` (elapsed capped at two ticks:
   missed ticks are skipped, not replayed), capped by ``max_inflight -
   inflight``; the fraction carries over as credit. Publishes are spread over
@@ -117,6 +137,10 @@ LOOP_SHARE = 0.8  # a tick that admitted less than this share of rate x time sin
 SHORT_RETRY_AFTER_RTTS = 3.0  # a Retry-After up to this many round trips: "a token is due", no box
 SHORT_HOLD_RTTS = 3.0  # ... after which the rate holds only this many round trips
 PROBE_RTTS = 8.0  # clean round trips at or above a firm ceiling, then the ladder probes it
+ACCUMULATE_S = 4.0  # time constant over which refusals under the threshold add up to an episode
+BRAKE_MIN_FACTOR = 2  # a mid-tick brake needs this many x refusal_min_count fresh refusals
+BRAKE_RATIO = 0.1  # ... making at least this share of the fresh outcomes heard mid-tick
+BRAKE_MIN_BUDGET = 10  # ticks with a smaller budget are not watched mid-tick (too few outcomes)
 _MONOTONIC = ("last_tick", "deadline")  # never persisted
 
 
@@ -209,6 +233,9 @@ class PacerState:
     clean_s: float = 0.0  # clean, full-demand time at or above a firm ceiling since a refusal
     cooling: bool = False  # closed by a Retry-After
     delivered: float = 0.0  # average accepted rate
+    braked: bool = False  # the last cut was a brake's (mid-tick)
+    acc_refused: float = 0.0  # fresh refusals under the threshold, decayed (ACCUMULATE_S)
+    acc_outcomes: float = 0.0  # ... and the fresh outcomes they were among
 
     def to_dict(self) -> dict[str, float | int | bool | None]:
         """JSON-able, without the monotonic timestamps (not portable across hosts)."""
@@ -403,6 +430,17 @@ def update_rate(
     f_ref = window.refused_fresh
     f_n = window.accepted_fresh + window.refused_fresh
     episode = f_ref > 0 and f_ref >= max(p.refusal_min_count, p.refusal_threshold * f_n)
+    if state.episode or state.ceiling is None:
+        state = replace(state, acc_refused=0.0, acc_outcomes=0.0)
+    else:  # refusals under the threshold, tick after tick, add up (ACCUMULATE_S)
+        keep = math.exp(-dt / ACCUMULATE_S)
+        acc_ref = state.acc_refused * keep + f_ref
+        acc_n = state.acc_outcomes * keep + f_n
+        state = replace(state, acc_refused=acc_ref, acc_outcomes=acc_n)
+        if not episode and f_ref > 0:
+            episode = acc_ref >= max(p.refusal_min_count, p.refusal_threshold * acc_n)
+            if episode:
+                f_ref, f_n = max(1, round(acc_ref)), max(1, round(acc_n))
     if state.episode:
         state = _refine(state, window, p)
         if episode:
@@ -451,6 +489,49 @@ def update_rate(
     return _grow(state, dt, accepted_rate, p)
 
 
+def brake(state: PacerState, window: OutcomeWindow, params: PacingParams) -> PacerState | None:
+    """Mid-tick: the state after the fresh outcomes heard since the tick
+    began (``window``), or None when they do not call for a cut before the
+    next tick (the module docstring's **Brake**). The cut moves the epoch, so
+    the outcomes of the jobs sent before it count as stale and never cut
+    again; the next tick's fresh outcomes confirm or correct it."""
+    p = params
+    refused = window.refused_fresh
+    outcomes = window.accepted_fresh + refused
+    if state.ceiling is not None or state.cooling:
+        return None  # past slow start: the tick's own step
+    if refused < max(1, BRAKE_MIN_FACTOR * p.refusal_min_count):
+        return None
+    if refused < BRAKE_RATIO * outcomes:
+        return None
+    share = (outcomes - refused + 0.5) / (outcomes + 1.0)
+    sent = state.rate
+    est = max(p.min_rate, sent * share)
+    rate = min(sent, max(est * (1.0 - p.decrease_margin), p.decrease_factor * sent))
+    return replace(
+        state,
+        rate=_clamp(rate, p),
+        ceiling=est * (1.0 - p.decrease_margin),
+        firm=True,
+        epoch=state.epoch + 1,
+        episode=True,
+        heavy=False,
+        cut_from=sent,
+        cut_bound=est,
+        stale_accepted=0,
+        stale_outcomes=0,
+        saved=0.0,
+        surplus=0.0,
+        ladder=0.0,
+        since_cut_s=0.0,
+        clean_s=0.0,
+        hold_s=0.0,
+        braked=True,
+        acc_refused=0.0,
+        acc_outcomes=0.0,
+    )
+
+
 def _heavy(refused: int, outcomes: int, p: PacingParams) -> bool:
     return refused >= HEAVY_MIN_FACTOR * p.refusal_min_count and refused > HEAVY_RATIO * outcomes
 
@@ -464,7 +545,9 @@ def _cut(
     accepted_rate: float = 0.0,
 ) -> PacerState:
     est = max(p.min_rate, sent * (1.0 - refused / outcomes))
-    heavy = _heavy(refused, outcomes, p)
+    # a window right after a brake is of jobs claimed at its rate: no mix of
+    # outcomes from before and after a capacity change (the brake saw that)
+    heavy = _heavy(refused, outcomes, p) and not state.braked
     if not heavy:
         # what the upstream accepted, in this window and on average alike (the
         # window alone may be a batch, the average alone may lag a drop), never
@@ -490,6 +573,9 @@ def _cut(
         ladder=0.0,
         since_cut_s=0.0,
         clean_s=0.0,
+        braked=False,
+        acc_refused=0.0,
+        acc_outcomes=0.0,
     )
 
 

@@ -8,7 +8,8 @@ per-tick records of admission):
   ``util_steady_min`` is the lowest over the phases, each minus its first 60 s;
 - refusal % = refused calls / all calls reaching the upstream (every attempt,
   first or retried);
-- a tick's *admitted rate* = jobs it claimed / tick length; an *overshoot tick*
+- a tick's *admitted rate* = jobs it claimed and did not give back unsent (a
+  mid-tick cut returns the claims it will not send) / tick length; an *overshoot tick*
   admits above the capacity of that moment. ``oscillation_pct`` is
   p95 - p5 of the admitted rate over each phase minus its first 60 s, in % of
   that phase's capacity (the worst phase);

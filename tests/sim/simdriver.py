@@ -23,7 +23,7 @@ the earliest of the next sleeper, the next model event and the next instance
 start or stop, processes the model's events up to it inline (no await per
 event), and wakes the sleepers due. Tick records (budget, rate, the window's
 refusals, the tick's span) come from a thin wrapper around the law, the
-claimed count from the claim.
+claimed count from the claims, less the claims given back unsent.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ class SimAdmissionLedger:
             live_window_seconds=live_window_seconds,
         )
         if self.probe is not None and self.probe.current is not None:
-            self.probe.current.claimed = len(jobs)
+            self.probe.current.claimed += len(jobs)
         return [
             ClaimedJob(
                 job_id=job.job_id,
@@ -176,7 +176,11 @@ class SimAdmissionLedger:
         return self.ledger.mark_offered(refs)
 
     async def release_claims(self, refs: Sequence[JobRef], *, reason: str) -> list[JobRef]:
-        return self.ledger.release(refs)
+        released = self.ledger.release(refs)
+        if self.probe is not None and self.probe.current is not None:
+            # given back unsent (a mid-tick cut): claimed, not admitted
+            self.probe.current.claimed -= len(released)
+        return released
 
     async def save_pacer_state(
         self, destination: str, state: Mapping[str, Any], *, epoch: int

@@ -159,17 +159,18 @@ def test_publish_offsets_spread_the_tick_live_first_under_the_ceiling() -> None:
 def test_slow_start_grows_by_its_factor_per_tick_while_accepted() -> None:
     state = replace(initial_state(P, now=T0), rate=20.0)
     state, _ = run(state, OutcomeWindow(accepted=20, accepted_fresh=20), full(20))
-    assert state.rate == pytest.approx(30.0)
+    assert state.rate == pytest.approx(20.0 * P.slow_start_factor)
 
 
 def test_slow_start_is_paced_by_the_accepted_rate() -> None:
     state = replace(initial_state(P, now=T0), rate=20.0)
     state, _ = run(state, OutcomeWindow(accepted=5, accepted_fresh=5), full(20))
-    assert state.rate == pytest.approx(20.0)  # 1.5 x 5/s accepted is below the rate
+    assert P.slow_start_factor * 5 < 20
+    assert state.rate == pytest.approx(20.0)  # the factor x 5/s accepted is below the rate
 
 
 def test_slow_start_grows_per_second_not_per_tick() -> None:
-    # at a 0.5 s tick, two ticks grow as much as one tick of 1 s: 1.5 x, not 2.25 x
+    # at a 0.5 s tick, two ticks grow as much as one tick of 1 s: the factor, not its square
     p = replace(P, tick_seconds=0.5)
     state = replace(initial_state(p, now=T0), rate=40.0)
     for _ in range(2):  # everything sent was accepted
@@ -177,7 +178,7 @@ def test_slow_start_grows_per_second_not_per_tick() -> None:
         window = OutcomeWindow(accepted=n, accepted_fresh=n, interval_seconds=0.5)
         state, _ = run(state, window, full(n), dt=0.5, params=p)
     assert state.ceiling is None
-    assert state.rate == pytest.approx(60.0)
+    assert state.rate == pytest.approx(40.0 * P.slow_start_factor)
 
 
 def test_slow_start_holds_on_a_few_refusals_and_ends_on_evidence_at_the_accepted_rate() -> None:
@@ -339,6 +340,65 @@ def test_refusals_under_the_count_floor_do_not_cut_but_hold() -> None:
     window = OutcomeWindow(accepted=99, refused=1, accepted_fresh=99, refused_fresh=1)
     state, _ = run(at_ceiling(rate=101.0, ceiling=100.0), window, full(101))
     assert (state.rate, state.epoch) == (101.0, 7)
+
+
+def test_refusals_under_the_threshold_tick_after_tick_add_up_to_an_episode() -> None:
+    # a rate held a little over a 30/s capacity: one refusal a tick, never two
+    one = OutcomeWindow(accepted=29, refused=1, accepted_fresh=29, refused_fresh=1)
+    state, _ = run(at_ceiling(rate=30.6, ceiling=30.0), one, full(30))
+    assert state.epoch == 7  # one refusal in 30: held
+    state, _ = run(state, one, full(30))
+    assert state.epoch == 7  # 1.8 in 53 once decayed: not yet
+    state, _ = run(state, one, full(30))
+    assert state.epoch == 8  # 2.4 in 72 (3.3 % >= refusal_threshold): an episode
+    share = 1 - 1 / 30  # what they measure
+    assert state.rate == pytest.approx(30.6 * share * (1 - P.decrease_margin), rel=0.01)
+    assert (state.acc_refused, state.acc_outcomes) == (0.0, 0.0)
+
+
+def test_refusals_far_apart_do_not_add_up() -> None:
+    one = OutcomeWindow(accepted=29, refused=1, accepted_fresh=29, refused_fresh=1)
+    state, _ = run(at_ceiling(rate=30.6, ceiling=30.0), one, full(30))
+    state, _ = run(state, one, full(30), dt=10 * pacer.ACCUMULATE_S)
+    assert state.epoch == 7
+
+
+def test_a_brake_cuts_mid_tick_to_the_accepted_share_and_ends_slow_start() -> None:
+    state = replace(initial_state(P, now=T0), rate=160.0)  # slow start, capacity ~100
+    heard = OutcomeWindow(accepted_fresh=38, refused_fresh=22)
+    cut = pacer.brake(state, heard, P)
+    assert cut is not None
+    share = (38 + 0.5) / 61
+    assert cut.rate == pytest.approx(160.0 * share * (1 - P.decrease_margin))
+    assert 95.0 <= cut.rate <= 105.0
+    assert cut.ceiling is not None  # slow start is over
+    assert (cut.epoch, cut.episode, cut.braked, cut.heavy) == (1, True, True, False)
+
+
+def test_a_brake_needs_many_refusals_making_a_large_share_and_slow_start() -> None:
+    state = replace(initial_state(P, now=T0), rate=100.0)
+    few = OutcomeWindow(accepted_fresh=40, refused_fresh=pacer.BRAKE_MIN_FACTOR * 2 - 1)
+    assert pacer.brake(state, few, P) is None
+    small_share = OutcomeWindow(accepted_fresh=95, refused_fresh=5)
+    assert pacer.brake(state, small_share, P) is None  # a burst: the tick decides
+    assert pacer.brake(replace(state, cooling=True), OutcomeWindow(refused_fresh=50), P) is None
+    many = OutcomeWindow(accepted_fresh=10, refused_fresh=10)
+    assert pacer.brake(state, many, P) is not None
+    # past slow start the tick's own step decides (a probe, a drop)
+    assert pacer.brake(at_ceiling(rate=100.0), many, P) is None
+
+
+def test_no_cut_right_after_a_brake_is_heavy() -> None:
+    start = replace(initial_state(P, now=T0), rate=160.0)
+    state = pacer.brake(start, OutcomeWindow(accepted_fresh=30, refused_fresh=20), P)
+    assert state is not None
+    # the next window: jobs claimed at the brake's rate, a third of them refused
+    window = OutcomeWindow(accepted=20, refused=10, accepted_fresh=20, refused_fresh=10)
+    after, _ = run(state, window, full(int(state.rate)))
+    assert not after.heavy
+    sent = state.rate
+    assert after.rate == pytest.approx(sent * (2 / 3) * (1 - P.decrease_margin), rel=0.01)
+    assert after.rate > P.decrease_factor * sent
 
 
 def test_one_cut_per_round_trip() -> None:

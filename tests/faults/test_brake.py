@@ -1,0 +1,101 @@
+"""A tick that meets an upstream far slower than its rate, in virtual time:
+it hears the refusals while it releases (``pacer.brake``), cuts the rate
+within the tick, gives the claims it has not sent back and releases the rest
+of the tick at the new rate; every job it claimed is published or released.
+The same tick without the brake (a budget under ``BRAKE_MIN_BUDGET`` is not
+watched) is the control."""
+
+from __future__ import annotations
+
+import heapq
+from typing import TYPE_CHECKING
+
+import anyio
+from support.fakes import FakeLedger, FakePublisher, VirtualClock
+
+from pacerd import pacer
+from pacerd.admission import AdmissionConfig, DestinationAdmission, TickResult
+from pacerd.pacer import PacingParams
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import pytest
+
+    from pacerd.models import ClaimedJob
+
+CALL_SECONDS = 0.03  # from a publish to its outcome in the ledger
+
+
+class Bucket:
+    """A token bucket upstream (``capacity`` a second, a burst of a tenth of
+    that) whose outcomes reach ``ledger`` ``CALL_SECONDS`` after the publish."""
+
+    def __init__(self, clock: VirtualClock, ledger: FakeLedger, capacity: float) -> None:
+        self.clock, self.ledger, self.capacity = clock, ledger, capacity
+        self.tokens, self.at = capacity / 10, 0.0
+        self.due: list[tuple[float, int, ClaimedJob]] = []
+        self.calls: list[tuple[float, bool]] = []
+
+    def published(self, jobs: Sequence[ClaimedJob]) -> None:
+        for job in jobs:
+            heapq.heappush(self.due, (self.clock.monotonic() + CALL_SECONDS, len(self.calls), job))
+            self.calls.append((self.clock.monotonic(), False))  # its slot; set on the call
+
+    async def run(self) -> None:
+        while True:
+            while self.due and self.due[0][0] <= self.clock.monotonic():
+                at, slot, job = heapq.heappop(self.due)
+                self.tokens = min(self.capacity / 10, self.tokens + (at - self.at) * self.capacity)
+                self.at = at
+                ok = self.tokens >= 1.0
+                self.tokens -= ok
+                self.calls[slot] = (at, ok)
+                self.ledger.report(job.ref, accepted=ok)
+            await self.clock.sleep(0.005)
+
+
+async def _tick(rate: float, capacity: float) -> tuple[TickResult, FakeLedger, Bucket, float]:
+    clock = VirtualClock()
+    ledger = FakeLedger(clock)
+    ledger.add_destination("d", overdue=None)
+    bucket = Bucket(clock, ledger, capacity)
+    params = PacingParams(tick_seconds=1.0, initial_rate=rate, max_rate=10_000.0)
+    admission = DestinationAdmission(
+        ledger=ledger, clock=clock,
+        publisher=FakePublisher(clock, confirm_seconds=0.002, on_confirmed=bucket.published),
+        config=AdmissionConfig(destination="d", queue="q", params=params),
+    )  # fmt: skip
+    with anyio.fail_after(60):  # real seconds
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(clock.drive, 5.0)
+            tg.start_soon(bucket.run)
+            result = await admission.run_once()
+            await clock.sleep(0.2)  # the last outcomes come in
+            tg.cancel_scope.cancel()
+    assert admission.state is not None
+    return result, ledger, bucket, admission.state.rate
+
+
+async def test_a_tick_far_over_the_capacity_is_braked_within_the_tick() -> None:
+    result, ledger, bucket, rate = await _tick(rate=200.0, capacity=100.0)
+    refused = sum(not ok for _, ok in bucket.calls)
+    # cut once the refusals were heard, not a tick later, to about the capacity
+    assert 90.0 <= rate <= 125.0, rate
+    assert refused <= 30, refused  # without the brake: about 90 (the control below)
+    assert sum(ok for _, ok in bucket.calls) >= 85  # and the upstream was kept busy
+    # every claim is accounted for: published, or given back
+    assert result.claimed == ledger.claimed == result.offered + result.released
+    assert result.released == len(ledger.released) > 0
+    assert result.offered == len(bucket.calls)
+
+
+async def test_without_the_brake_the_tick_refuses_its_whole_excess(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the control: the same tick, not watched (its budget is under the floor)
+    monkeypatch.setattr(pacer, "BRAKE_MIN_BUDGET", 10**9)
+    result, _, bucket, rate = await _tick(rate=200.0, capacity=100.0)
+    assert rate == 200.0  # the tick's own step comes only at the next tick
+    assert sum(not ok for _, ok in bucket.calls) >= 70
+    assert result.released == 0
