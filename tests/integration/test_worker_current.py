@@ -104,3 +104,28 @@ async def test_the_worker_runs_its_handlers_when_the_database_is_down() -> None:
     finally:
         assert worker.current_check is not None
         await worker.current_check.close()
+
+
+async def test_the_checks_pool_leaves_sessions_as_they_are(db_dsn: str) -> None:
+    """``CurrentCheck``'s statements go back to the pool without asyncpg's
+    reset (a round trip and four statements each); a default pool still resets."""
+    for reset, kept in ((False, "kept"), (True, "")):
+        client = await Client.connect(db_dsn, max_size=1, reset=reset)
+        try:
+            async with client.pool.acquire() as conn:
+                await conn.execute("SET application_name = 'kept'")
+            async with client.pool.acquire() as conn:
+                assert await conn.fetchval("SHOW application_name") == kept
+        finally:
+            await client.close()
+    check = CurrentCheck(db_dsn, SystemClock())
+    try:
+        with anyio.fail_after(10):
+            assert not await check.is_current("no-such-job", 1)
+        assert check._client is not None
+        async with check._client.pool.acquire() as conn:
+            await conn.execute("SET application_name = 'kept'")
+        async with check._client.pool.acquire() as conn:
+            assert await conn.fetchval("SHOW application_name") == "kept"
+    finally:
+        await check.close()
