@@ -217,7 +217,7 @@ def _role(name: str, cmdline: str) -> str:
         return "broker"
     if name == "postgres" or cmdline.startswith("postgres"):
         return "postgres"
-    if "noop_worker.py" in cmdline:
+    if "noop_worker.py" in cmdline or "-m pacerd worker" in cmdline or "worker.js" in cmdline:
         return "worker"
     if "-m pacerd run" in cmdline:
         return "daemon"
@@ -226,7 +226,8 @@ def _role(name: str, cmdline: str) -> str:
 
 def cpu_by_process() -> dict[tuple[int, str], float]:
     """utime+stime (s) of every process of the machine, keyed by (pid, role):
-    the broker, the pacerd daemon, the no-op worker, PostgreSQL, kernel
+    the broker, the pacerd daemon, the workers (the no-op one, ``pacerd
+    worker``, the Node.js example), PostgreSQL, kernel
     threads (the block layer and writeback among them) and the rest."""
     out: dict[tuple[int, str], float] = {}
     for entry in Path("/proc").iterdir():

@@ -34,7 +34,14 @@ process's own utime+stime (``/proc``) over the drain: the worker processes'
 summed, and the daemon's. The daemon and the ``pacerd worker`` processes run
 ``pacerd`` from ``BENCH_PACERD_ROOT`` (default: this checkout), so two trees
 can be compared by two runs. The machine is shared: each line carries the
-1-minute load average, and ratios are taken within one repeat.
+1-minute load average, and ratios are taken within one repeat. Each repeat's
+line also splits the machine's CPU over the drain by role (``common.cpu_split``:
+broker, daemon, workers, PostgreSQL, kernel, other — "other" is whatever else
+ran meanwhile) and counts the transactions committed on the database
+(``pg_stat_database``) per 1,000 jobs; when the drain is CPU-bound, the total
+CPU per job is what sets its rate. ``--profile DIR`` records the daemon and
+the first worker of the last library repeat with py-spy (``$BENCH_PYSPY``, as
+``bench/dispatch.py``) and appends ``bench.profile_summary`` of both.
 """
 
 from __future__ import annotations
@@ -63,6 +70,8 @@ class CycleRun:
     worker_cpu_ms_per_job: float
     daemon_cpu_ms_per_job: float
     load: float
+    machine_ms_per_job: dict[str, float]  # every process's CPU over the drain, by role
+    transactions_per_job: float  # committed on the database over the drain (pg_stat_database)
 
 
 def load_average() -> float:
@@ -86,6 +95,17 @@ def start_library_workers(
         )
         for _ in range(count)
     ]
+
+
+async def transactions(conn: asyncpg.Connection) -> int:
+    """Transactions committed on this database so far (every statement sent
+    outside a transaction is one); the statistics are flushed at most once a
+    second, so over a drain of several seconds the count is close."""
+    await conn.execute("SELECT pg_stat_clear_snapshot()")
+    count: int = await conn.fetchval(
+        "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
+    )
+    return count
 
 
 async def wait_consumers(count: int, procs: list[subprocess.Popen[bytes]]) -> None:
@@ -119,13 +139,14 @@ def start_node_workers(count: int, prefetch: int, upstream: str) -> list[subproc
 
 async def cycle(
     dsn: str, *, n: int, rate: float, tick: float, kind: str, workers: int, prefetch: int,
-    check_current: bool = False,
+    check_current: bool = False, profile: Path | None = None,
 ) -> CycleRun:  # fmt: skip
     """One daemon run over N freshly seeded jobs, with ``workers`` worker
     processes of ``kind``: ``library`` (``pacerd worker --app``), ``noop``
     (the bench's batched no-op worker, one process) or ``node`` (the Node.js
     example, calling a model upstream in this process for every job);
-    ``check_current`` for the library's."""
+    ``check_current`` for the library's; with ``profile``, py-spy records the
+    daemon and the first worker over the drain (``daemon.txt``, ``worker.txt``)."""
     if kind == "node":
         params = UpstreamParams(schedule=CapacitySchedule.parse("0:10000000"))
         async with ModelUpstream(params) as upstream:
@@ -135,13 +156,13 @@ async def cycle(
             )  # fmt: skip
     return await _cycle(
         dsn, n=n, rate=rate, tick=tick, kind=kind, workers=workers, prefetch=prefetch,
-        check_current=check_current,
+        check_current=check_current, profile=profile,
     )  # fmt: skip
 
 
 async def _cycle(
     dsn: str, *, n: int, rate: float, tick: float, kind: str, workers: int, prefetch: int,
-    upstream: str = "", check_current: bool = False,
+    upstream: str = "", check_current: bool = False, profile: Path | None = None,
 ) -> CycleRun:  # fmt: skip
     conn = await asyncpg.connect(dsn)
     await conn.execute("TRUNCATE pacerd.jobs, pacerd.job_events")
@@ -160,10 +181,17 @@ async def _cycle(
     daemon = dispatch.start_daemon(
         dispatch.daemon_env(dsn, rate=rate, tick=tick, max_inflight=n + 10_000)
     )
+    spies: list[subprocess.Popen[bytes]] = []
     try:
         await wait_consumers(len(procs), procs)
         await common.wait_leader(conn, daemon)
         await asyncio.sleep(0.5)
+        if profile is not None:
+            spies.append(dispatch.start_pyspy(daemon.pid, profile / "daemon.txt"))
+            spies.append(dispatch.start_pyspy(procs[0].pid, profile / "worker.txt"))
+            await asyncio.sleep(1.0)
+        machine_before = common.cpu_by_process()
+        xacts_before = await transactions(conn)
         before = [common.proc_sample(p.pid).cpu_seconds for p in procs]
         daemon_before = common.proc_sample(daemon.pid).cpu_seconds
         started_at = await conn.fetchval("SELECT clock_timestamp()")
@@ -182,6 +210,8 @@ async def _cycle(
             await asyncio.sleep(0.1)
         after = [common.proc_sample(p.pid).cpu_seconds for p in procs]
         daemon_after = common.proc_sample(daemon.pid).cpu_seconds
+        split = common.cpu_split(machine_before, common.cpu_by_process())
+        xacts = await transactions(conn) - xacts_before
         first_claim = await conn.fetchval(
             "SELECT min(at) FROM pacerd.job_events WHERE event = 'claimed'"
         )
@@ -192,8 +222,16 @@ async def _cycle(
             worker_cpu_ms_per_job=(sum(after) - sum(before)) / n * 1000,
             daemon_cpu_ms_per_job=(daemon_after - daemon_before) / n * 1000,
             load=load_average(),
+            machine_ms_per_job={role: cpu / n * 1000 for role, cpu in split.items()},
+            transactions_per_job=xacts / n,
         )
     finally:
+        for spy in spies:
+            spy.send_signal(2)  # SIGINT: py-spy writes its output and exits
+            try:
+                spy.wait(30)
+            except subprocess.TimeoutExpired:
+                spy.kill()
         common.stop_process(daemon)
         for proc in procs:
             common.stop_process(proc)
@@ -217,9 +255,10 @@ async def measure(args: argparse.Namespace) -> str:
             for kind, workers in kinds:
                 if (kind == "noop" and args.skip_noop) or not workers:
                     continue
+                profile = args.profile if kind == "library" and i == args.repeat - 1 else None
                 run = await cycle(
                     dsn, n=args.jobs, rate=rate, tick=args.tick, kind=kind, workers=workers,
-                    prefetch=args.prefetch, check_current=args.check_current,
+                    prefetch=args.prefetch, check_current=args.check_current, profile=profile,
                 )  # fmt: skip
                 runs[kind].append(run)
                 label = {"noop": "bench no-op worker", "library": "pacerd worker --app"}.get(
@@ -229,7 +268,10 @@ async def measure(args: argparse.Namespace) -> str:
                     f"  [{i + 1}] {label}: {run.jobs_per_second:,.0f} jobs/s "
                     f"({run.jobs_per_second / peer_rate:.2f} of PgQueuer), worker CPU "
                     f"{run.worker_cpu_ms_per_job:.3f} ms/job, daemon CPU "
-                    f"{run.daemon_cpu_ms_per_job:.3f} ms/job (load {run.load:.2f})",
+                    f"{run.daemon_cpu_ms_per_job:.3f} ms/job (load {run.load:.2f}); machine CPU "
+                    + ", ".join(f"{r} {ms:.3f}" for r, ms in run.machine_ms_per_job.items())
+                    + f" ms/job (total {sum(run.machine_ms_per_job.values()):.3f}); "
+                    f"{run.transactions_per_job * 1000:,.0f} transactions per 1,000 jobs",
                     flush=True,
                 )
     finally:
@@ -289,6 +331,10 @@ def main() -> None:
         "--node-workers", type=int, default=0,
         help="also run the Node.js example (npm ci in examples/node-worker first)",
     )  # fmt: skip
+    parser.add_argument(
+        "--profile", type=Path, default=None,
+        help="py-spy the daemon and a worker of the last library repeat into this directory",
+    )  # fmt: skip
     parser.add_argument("--peer-python", default=peer.PEER_PYTHON, help="python of the peer's venv")
     args = parser.parse_args()
     if not os.path.exists(args.peer_python):
@@ -302,6 +348,12 @@ def main() -> None:
         + subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     )
     out = common.run(lambda: measure(args))
+    if args.profile is not None:
+        from bench import profile_summary
+
+        for name in ("worker", "daemon"):
+            summary = profile_summary.summarize(args.profile / f"{name}.txt")
+            out += f"\n\n## py-spy, {name}\n" + summary
     print()
     print(out)
     print(

@@ -6,10 +6,13 @@ a two-connection pool. ``CurrentCheck`` gathers the checks asked while a
 statement is on its way and sends them as the next one
 (``Client.are_current``: ``pacerd.is_current`` over ``unnest``, so the worker
 role needs no right but EXECUTE on the function), so the batches grow with the
-database's round trip. The check only saves a costly call: it fails open —
-with no database, or when a statement fails, every offer it was asked about
-is current (the handler runs; the ledger's attempt fencing still drops a
-stale report).
+database's round trip; a statement starts at least ``MIN_INTERVAL_SECONDS``
+after the one before it (an idle worker's first check goes at once), so that a
+busy worker's batches do not shrink to what arrives in one fast round trip:
+each statement has a fixed cost in the worker and the database, whatever its
+size. The check only saves a costly call: it fails open — with no database,
+or when a statement fails, every offer it was asked about is current (the
+handler runs; the ledger's attempt fencing still drops a stale report).
 """
 
 from __future__ import annotations
@@ -30,6 +33,11 @@ log = structlog.get_logger("pacerd.worker")
 
 RECONNECT_SECONDS = 5.0  # after a failed connection, the checks fail open this long
 MAX_BATCH = 1000  # offers per statement
+# Between the starts of two statements (bench/RESULTS.md, worker library,
+# 2026-12-02 afternoon: fewer, bigger statements, less CPU per offer in the
+# worker and the database); it delays a busy worker's checks by at most this,
+# next to a handler's seconds.
+MIN_INTERVAL_SECONDS = 0.01
 
 
 class CurrentCheck:
@@ -42,6 +50,7 @@ class CurrentCheck:
         self._retry_at = -math.inf
         self._asked: list[tuple[str, int, asyncio.Future[bool]]] = []
         self._sender: asyncio.Task[None] | None = None
+        self._last_sent = -math.inf  # loop time the last statement started
 
     async def is_current(self, job_id: str, attempt: int) -> bool:
         """Whether the attempt still holds the job; True when it cannot be told."""
@@ -64,7 +73,12 @@ class CurrentCheck:
     async def _send(self) -> None:
         try:
             await asyncio.sleep(0)  # the offers decoded in the same turn join the first
+            loop = asyncio.get_running_loop()
             while self._asked:
+                wait = self._last_sent + MIN_INTERVAL_SECONDS - loop.time()
+                if wait > 0 and len(self._asked) < MAX_BATCH:
+                    await asyncio.sleep(wait)  # the checks asked meanwhile join this one
+                self._last_sent = loop.time()
                 batch, self._asked = self._asked[:MAX_BATCH], self._asked[MAX_BATCH:]
                 try:
                     answers = await self._answers([(j, a) for j, a, _ in batch])
@@ -99,7 +113,8 @@ class CurrentCheck:
             from pacerd.client import Client
 
             try:
-                self._client = await Client.connect(self.dsn, max_size=self.pool_size)
+                # only is_current's SELECT: no session state to reset between statements
+                self._client = await Client.connect(self.dsn, max_size=self.pool_size, reset=False)
             except LedgerError as exc:
                 self._retry_at = self.clock.monotonic() + RECONNECT_SECONDS
                 log.warning("is_current_unavailable", error=str(exc))

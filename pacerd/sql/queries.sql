@@ -360,7 +360,7 @@ ON CONFLICT (key) DO UPDATE SET value = excluded.value, updated_at = excluded.up
 WHERE pacerd.settings.value IS DISTINCT FROM excluded.value;
 
 -- name: apply_reports
--- Applies a batch of outcome reports with pacerd.report's effects, in order, in the caller's transaction (set-based: pacerd.report_many).
+-- Applies a batch of outcome reports with pacerd.report's effects, in order, atomically (one statement; set-based: pacerd.report_many).
 SELECT r.result
 FROM unnest(pacerd.report_many(job_id => $1::text[], attempt => $2::int[], outcome => $3::text[],
                                retry_after_s => $4::float8[], error => $5::text[],

@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from typing import TYPE_CHECKING
 
 import anyio
 
+from pacerd import currency
 from pacerd.client import Client
 from pacerd.clock import ManualClock, SystemClock
 from pacerd.currency import CurrentCheck
 from pacerd.ledger import Ledger
 from pacerd.worker import Job, Worker, WorkerApp
+
+if TYPE_CHECKING:
+    import pytest
 
 NO_DATABASE = "postgresql://postgres@127.0.0.1:1/nowhere"  # nothing listens on port 1
 
@@ -104,3 +109,63 @@ async def test_the_worker_runs_its_handlers_when_the_database_is_down() -> None:
     finally:
         assert worker.current_check is not None
         await worker.current_check.close()
+
+
+async def test_the_checks_pool_leaves_sessions_as_they_are(db_dsn: str) -> None:
+    """``CurrentCheck``'s statements go back to the pool without asyncpg's
+    reset (a round trip and four statements each); a default pool still resets."""
+    for reset, kept in ((False, "kept"), (True, "")):
+        client = await Client.connect(db_dsn, max_size=1, reset=reset)
+        try:
+            async with client.pool.acquire() as conn:
+                await conn.execute("SET application_name = 'kept'")
+            async with client.pool.acquire() as conn:
+                assert await conn.fetchval("SHOW application_name") == kept
+        finally:
+            await client.close()
+    check = CurrentCheck(db_dsn, SystemClock())
+    try:
+        with anyio.fail_after(10):
+            assert not await check.is_current("no-such-job", 1)
+        assert check._client is not None
+        async with check._client.pool.acquire() as conn:
+            await conn.execute("SET application_name = 'kept'")
+        async with check._client.pool.acquire() as conn:
+            assert await conn.fetchval("SHOW application_name") == "kept"
+    finally:
+        await check.close()
+
+
+async def test_a_busy_workers_checks_are_spaced_and_gather(
+    db_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A statement starts ``MIN_INTERVAL_SECONDS`` after the one before at the
+    earliest: the checks asked one by one meanwhile go as one statement, each
+    answered; an idle worker's check (the last statement long ago) goes at once.
+    (The interval is widened here so that a slow statement cannot outlast it.)"""
+    interval = 0.3
+    monkeypatch.setattr(currency, "MIN_INTERVAL_SECONDS", interval)
+    ledger = await Ledger.connect(db_dsn, max_size=2)
+    check = CurrentCheck(db_dsn, SystemClock())
+    loop = asyncio.get_running_loop()
+    try:
+        destination = f"cur-{uuid.uuid4().hex[:8]}"
+        attempts = await claimed(ledger, destination, 4)
+        asked = sorted(attempts.items())
+        with anyio.fail_after(10):
+            assert not await check.is_current("no-such-job", 1)  # connected
+        await asyncio.sleep(interval * 1.2)
+        with anyio.fail_after(10):
+            idle = loop.time()
+            assert await check.is_current(*asked[0])  # idle: at once
+            assert loop.time() - idle < interval * 0.8
+            waiting = []
+            for job_id, attempt in asked[1:]:  # one by one, each in a later turn
+                waiting.append(asyncio.ensure_future(check.is_current(job_id, attempt)))
+                await asyncio.sleep(0.001)
+            assert await asyncio.gather(*waiting) == [True] * 3
+            assert loop.time() - idle >= interval * 0.9
+        assert check.statements == 3
+    finally:
+        await check.close()
+        await ledger.close()
