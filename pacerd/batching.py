@@ -9,8 +9,8 @@ a release's critical path, within a few milliseconds more) become one
 statement whose rows are handed back to each caller. The number of
 statements a tick costs therefore does not grow with the number of
 destinations. The release slices' closed checks are served from one small
-snapshot (paused or cooling-down destinations), re-read at most every
-``CLOSED_CHECK_SECONDS``.
+snapshot (paused or cooling-down destinations, ``ClosedSnapshot``), begun
+at most ``CLOSED_CHECK_SECONDS`` before each check.
 
 It implements ``admission.AdmissionLedger``: the tick code is the same over
 this, over the plain ``Ledger`` and over the simulation's fakes.
@@ -18,7 +18,6 @@ this, over the plain ``Ledger`` and over the simulation's fakes.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -164,6 +163,68 @@ class Coalescer(Generic[_K, _R]):
         return batch.results[index]
 
 
+@dataclass(slots=True)
+class _Snapshot:
+    began: float  # when its statement was sent (Clock.monotonic)
+    done: anyio.Event = field(default_factory=anyio.Event)
+    closed: frozenset[str] = frozenset()
+    error: Exception | None = None
+
+
+class ClosedSnapshot:
+    """The paused and cooling-down destinations, read by one statement for
+    every release slice that checks at about the same time.
+
+    A check asked at time t is answered from a snapshot whose statement
+    began at or after t - ``max_age_seconds``: the last one if it is that
+    recent, else the one in flight if it began that recently, else the next
+    one. What a caller waited for answers it, however long the event loop
+    took to wake it (re-judging its age at wake-up sent a busy loop's
+    waiters round again, each wake-up of a thousand of them for nothing).
+    A failed read fails the checks that waited for it."""
+
+    def __init__(
+        self,
+        read: Callable[[], Awaitable[frozenset[str]]],
+        *,
+        clock: Clock,
+        max_age_seconds: float,
+        counts: Counter[str] | None = None,
+    ) -> None:
+        self._read = read
+        self.clock = clock
+        self.max_age_seconds = max_age_seconds
+        self.statements = counts if counts is not None else Counter()
+        self._last: _Snapshot | None = None  # the last one read without error
+        self._reading: _Snapshot | None = None
+
+    async def __call__(self) -> frozenset[str]:
+        oldest = self.clock.monotonic() - self.max_age_seconds
+        while True:
+            last = self._last
+            if last is not None and last.began >= oldest:
+                return last.closed
+            snapshot = self._reading
+            if snapshot is None:
+                snapshot = self._reading = _Snapshot(began=self.clock.monotonic())
+                with anyio.CancelScope(shield=True):  # for the others, if this caller goes
+                    try:
+                        self.statements["closed_destinations"] += 1
+                        snapshot.closed = await self._read()
+                        self._last = snapshot
+                    except Exception as exc:
+                        snapshot.error = exc
+                    finally:
+                        self._reading = None
+                        snapshot.done.set()
+            else:
+                await snapshot.done.wait()
+            if snapshot.began >= oldest:  # else it began too early for this check: the next
+                if snapshot.error is not None:
+                    raise snapshot.error
+                return snapshot.closed
+
+
 @dataclass(frozen=True, slots=True)
 class _Claim:
     request: ClaimRequest
@@ -201,9 +262,10 @@ class SharedLedger:
         self._release = shared("release_claims", self._release_many, lazy=True)
         self._save = shared("save_pacer_state", self._save_many, lazy=True)
         self._park = shared("park_destinations", self._park_many, lazy=True)
-        self._closed: frozenset[str] | None = None
-        self._closed_at = -math.inf
-        self._closed_refresh: anyio.Event | None = None
+        self._closed = ClosedSnapshot(
+            ledger.closed_destinations, clock=clock, max_age_seconds=CLOSED_CHECK_SECONDS,
+            counts=self.statements,
+        )  # fmt: skip
 
     # -- AdmissionLedger -----------------------------------------------------------
 
@@ -251,25 +313,11 @@ class SharedLedger:
         return await self.ledger.has_due(destination, at_least=at_least)
 
     async def is_closed(self, destination: str) -> bool:
-        """Paused or cooling down, as of a snapshot at most
-        ``CLOSED_CHECK_SECONDS`` old (one small statement for everyone)."""
-        while (
-            self._closed is None or self.clock.monotonic() - self._closed_at > CLOSED_CHECK_SECONDS
-        ):
-            if self._closed_refresh is not None:
-                await self._closed_refresh.wait()
-                continue
-            refresh = self._closed_refresh = anyio.Event()
-            try:
-                with anyio.CancelScope(shield=True):
-                    began = self.clock.monotonic()
-                    self.statements["closed_destinations"] += 1
-                    self._closed = await self.ledger.closed_destinations()
-                    self._closed_at = began
-            finally:
-                self._closed_refresh = None
-                refresh.set()
-        return "*" in self._closed or destination in self._closed
+        """Paused or cooling down, as of a snapshot begun at most
+        ``CLOSED_CHECK_SECONDS`` before the check (one small statement for
+        everyone, ``ClosedSnapshot``)."""
+        closed = await self._closed()
+        return "*" in closed or destination in closed
 
     async def park(self, destination: str) -> bool:
         """Parks ``destination`` if it has nothing due and nothing in flight
