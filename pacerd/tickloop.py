@@ -26,6 +26,7 @@ their tick, and the partition is unlocked once none of them runs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -91,6 +92,7 @@ class TickLoop:
         stop: anyio.Event,
         tick_seconds: Callable[[], float],
         forget: Callable[[str], None],
+        grace_seconds: float = math.inf,
     ) -> None:
         self.ledger = ledger
         self.shared = SharedLedger(ledger, clock=clock)
@@ -104,6 +106,8 @@ class TickLoop:
         self.stop = stop
         self.tick_seconds = tick_seconds
         self.forget = forget
+        self.grace_seconds = grace_seconds
+        self.ended = anyio.Event()  # set when ``run`` has returned
         self.active: dict[str, _Active] = {}
         self.seen: dict[str, int] = {}  # every destination run here, and its partition
         self._ended = anyio.Event()  # set when a destination's task ends
@@ -116,9 +120,23 @@ class TickLoop:
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         """Runs until ``stop``; then waits for every tick in progress to end
-        (each stops at its next release slice and releases what it holds)."""
+        (each stops at its next release slice, its confirms drained and its
+        unpublished claims released); past ``grace_seconds`` after ``stop``,
+        the ticks are cancelled (and still release). ``ended`` is set on return."""
+        try:
+            with anyio.CancelScope() as scope:
+                await self._run(scope, task_status)
+        finally:
+            self.ended.set()
+
+    async def _run(self, scope: anyio.CancelScope, task_status: anyio.abc.TaskStatus[None]) -> None:
+        async def grace() -> None:
+            await self.stop.wait()
+            scope.deadline = anyio.current_time() + self.grace_seconds
+
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._cancel_lost)
+            tg.start_soon(grace)
             task_status.started()
             grid = self.clock.monotonic()
             while not self.stop.is_set():
