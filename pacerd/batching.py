@@ -14,6 +14,11 @@ at most ``CLOSED_CHECK_SECONDS`` before each check.
 
 It implements ``admission.AdmissionLedger``: the tick code is the same over
 this, over the plain ``Ledger`` and over the simulation's fakes.
+
+``SharedPublisher`` does the same for the broker: the release slices of
+every destination that come due in one round of the event loop are written
+in one ``write_batch`` (one acquisition of the channel's lock, one socket
+write), and each slice then awaits its own confirms.
 """
 
 from __future__ import annotations
@@ -27,15 +32,17 @@ import anyio.lowlevel
 import structlog
 
 from pacerd.admission import CLOSED_CHECK_SECONDS
-from pacerd.errors import LedgerError
+from pacerd.errors import BrokerUnavailable, LedgerError, PublishError
 from pacerd.models import ClaimRequest
 
 if TYPE_CHECKING:
+    import asyncio
     from collections.abc import Awaitable, Callable, Mapping, Sequence
 
     from pacerd.clock import Clock
     from pacerd.ledger import Ledger
     from pacerd.models import ClaimedJob, DestinationRow, JobRef
+    from pacerd.publisher import Broker
 
 log = structlog.get_logger("pacerd.batching")
 
@@ -376,3 +383,110 @@ class SharedLedger:
     async def _save_many(self, saves: list[tuple[str, Mapping[str, Any], int]]) -> list[None]:
         await self.ledger.save_pacer_states(saves)
         return [None] * len(saves)
+
+
+@dataclass(eq=False, slots=True)
+class _Slice:
+    jobs: Sequence[ClaimedJob]
+    headers: Sequence[Mapping[str, str]]
+    taken: bool = False  # in a write: its messages go out
+    abandoned: bool = False  # its caller left once it was taken
+    written: anyio.Event = field(default_factory=anyio.Event)
+    confirms: Sequence[asyncio.Future[Any]] = ()
+    error: PublishError | None = None
+
+
+class SharedPublisher:
+    """The broker as the tick loop shares it (``publisher.Publisher``).
+
+    Each release slice was one ``write_batch``: with a thousand destinations
+    releasing at once they queued on the channel's lock and on the
+    connection's bounded frame queue, one a round of the event loop, and a
+    slice's write waited seconds for those before it while the broker
+    confirmed in milliseconds; the ticks then ended late and their next
+    budgets shrank. Here the first slice of a round waits that one round, so
+    that the others released meanwhile join it, and writes them all at once;
+    each slice then awaits its own confirms (``Broker.settle``), as
+    ``publish_many`` did. A slice whose caller is cancelled before the write
+    is left out of it (nothing of it is published); cancelled after, its
+    confirms are cancelled and the caller releases its jobs, as before."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self._pending: list[_Slice] | None = None
+        self.writes = 0  # write_batch calls made (tests, the bench)
+
+    async def declare_destination(self, destination: str, queue: str) -> None:
+        await self.broker.declare_destination(destination, queue)
+
+    async def publish(self, job: ClaimedJob, headers: Mapping[str, str]) -> None:
+        await self.broker.publish(job, headers)
+
+    async def publish_many(
+        self, jobs: Sequence[ClaimedJob], headers: Sequence[Mapping[str, str]]
+    ) -> list[PublishError | None]:
+        if not jobs:
+            return []
+        mine = _Slice(jobs, headers)
+        pending = self._pending
+        if pending is None:
+            await self._lead(mine)
+        else:
+            pending.append(mine)
+            try:
+                await mine.written.wait()
+            except BaseException:
+                if not mine.taken:
+                    pending.remove(mine)  # withdrawn: not written
+                elif mine.written.is_set():
+                    for confirm in mine.confirms:
+                        confirm.cancel()
+                else:
+                    mine.abandoned = True  # the write cancels its confirms
+                raise
+        if mine.error is not None:
+            return [mine.error] * len(jobs)
+        return await self.broker.settle(mine.confirms)
+
+    async def _lead(self, mine: _Slice) -> None:
+        """Gathers the slices of this round, then writes them (shielded, for
+        the others, if this caller is cancelled meanwhile)."""
+        pending = self._pending = [mine]
+        cancelled: BaseException | None = None
+        try:
+            await anyio.lowlevel.checkpoint()
+        except BaseException as exc:
+            cancelled = exc
+            pending.remove(mine)
+        finally:
+            self._pending = None
+        if pending:
+            with anyio.CancelScope(shield=True):
+                await self._write(pending)
+        if cancelled is not None:
+            raise cancelled
+
+    async def _write(self, slices: list[_Slice]) -> None:
+        for piece in slices:
+            piece.taken = True
+        try:
+            self.writes += 1
+            written = await self.broker.write_many(
+                [job for piece in slices for job in piece.jobs],
+                [h for piece in slices for h in piece.headers],
+            )
+            start = 0
+            for piece in slices:
+                if isinstance(written, PublishError):
+                    piece.error = written
+                else:
+                    piece.confirms = written[start : start + len(piece.jobs)]
+                    if piece.abandoned:
+                        for confirm in piece.confirms:
+                            confirm.cancel()
+                start += len(piece.jobs)
+        finally:
+            for piece in slices:
+                if piece.error is None and not piece.confirms:  # the write itself broke
+                    piece.error = BrokerUnavailable("the publish failed")
+                piece.written.set()

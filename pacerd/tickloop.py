@@ -6,7 +6,7 @@ it, and nothing for the others.
                   ─► a tick task for each newly active destination
     each active destination, on the loop's schedule:
                 read ─► pacer (pure) ─► claim ─► publish across the tick
-                ─► mark ─► save             (statements shared: batching.py)
+                ─► mark ─► save   (statements and broker writes shared: batching.py)
     quiet for QUIET_TICKS ticks (nothing due, nothing in flight, no new
     outcomes): parked in the ledger, its task and memory gone
 
@@ -35,7 +35,7 @@ import structlog
 
 from pacerd import pacer
 from pacerd.admission import DestinationAdmission, TickResult, run_destination, sleep_until_or_stop
-from pacerd.batching import SharedLedger
+from pacerd.batching import SharedLedger, SharedPublisher
 from pacerd.errors import PacerdError
 
 if TYPE_CHECKING:
@@ -97,6 +97,7 @@ class TickLoop:
         self.ledger = ledger
         self.shared = SharedLedger(ledger, clock=clock)
         self.broker = broker
+        self.publisher = SharedPublisher(broker)  # the admissions' releases, written together
         self.clock = clock
         self.leadership = leadership
         self.admission_config = admission_config
@@ -193,7 +194,7 @@ class TickLoop:
     ) -> None:
         admission = DestinationAdmission(
             ledger=self.shared,
-            publisher=self.broker,
+            publisher=self.publisher,
             clock=self.clock,
             config=self.admission_config(destination),
             observer=self.observer,
