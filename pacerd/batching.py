@@ -64,6 +64,8 @@ class _Batch(Generic[_K, _R]):
     results: list[_R] | None = None
     error: BaseException | None = None
     abandoned: list[int] = field(default_factory=list)  # callers gone before the results
+    withdrawn: set[int] = field(default_factory=set)  # callers gone before the statement
+    started: bool = False  # its statement was sent
 
 
 class Coalescer(Generic[_K, _R]):
@@ -76,8 +78,11 @@ class Coalescer(Generic[_K, _R]):
     kind at a time, so that callers slowed by a busy loop still share one),
     then runs the statement shielded, so that a caller cancelled meanwhile
     (its leadership lost) does not fail the others. ``on_abandoned`` gets
-    the result of a caller that was cancelled while it waited (a claim's
-    jobs, to be released)."""
+    the result of a caller that was cancelled while the statement ran (a
+    claim's jobs, to be released); where it is set, a caller cancelled
+    before the statement was sent is left out of it, and a batch left with
+    no caller sends none (a tick cancelled on losing its leadership claims
+    nothing more)."""
 
     def __init__(
         self,
@@ -106,7 +111,9 @@ class Coalescer(Generic[_K, _R]):
             try:
                 await batch.done.wait()
             except BaseException:
-                if batch.results is None:
+                if not batch.started and self._on_abandoned is not None:
+                    batch.withdrawn.add(index)  # left out of the statement
+                elif batch.results is None:
                     batch.abandoned.append(index)  # the runner hands its result back
                 elif self._on_abandoned is not None:
                     with anyio.CancelScope(shield=True):
@@ -121,6 +128,8 @@ class Coalescer(Generic[_K, _R]):
                 await self._running.wait()
         except BaseException as exc:  # cancelled: the batch still runs, for the others
             cancelled = exc
+            if self._on_abandoned is not None:
+                batch.withdrawn.add(0)
         finally:
             if self._open is batch:
                 self._open = None
@@ -129,8 +138,7 @@ class Coalescer(Generic[_K, _R]):
                 await self._running.wait()
             running = self._running = anyio.Event()
             try:
-                self.statements[self.name] += 1
-                batch.results = await self._run(batch.keys)
+                batch.results = await self._run_batch(batch)
             except Exception as exc:  # every caller of the batch gets it
                 batch.error = exc
             finally:
@@ -146,11 +154,32 @@ class Coalescer(Generic[_K, _R]):
             except BaseException as exc:
                 cancelled = exc
         if cancelled is not None:
-            if batch.results is not None and self._on_abandoned is not None:
+            if (
+                batch.results is not None
+                and self._on_abandoned is not None
+                and 0 not in batch.withdrawn
+            ):
                 with anyio.CancelScope(shield=True):
                     await self._on_abandoned(key, batch.results[0])
             raise cancelled
         return self._result(batch, 0)
+
+    async def _run_batch(self, batch: _Batch[_K, _R]) -> list[_R]:
+        """The statement for the keys not withdrawn (none: no statement); the
+        results in the batch's order (a withdrawn key's is never read)."""
+        batch.started = True
+        if not batch.withdrawn:
+            self.statements[self.name] += 1
+            return await self._run(batch.keys)
+        kept = [i for i in range(len(batch.keys)) if i not in batch.withdrawn]
+        if not kept:
+            return []
+        self.statements[self.name] += 1
+        got = await self._run([batch.keys[i] for i in kept])
+        results: list[_R] = [got[0]] * len(batch.keys)  # placeholders at the withdrawn
+        for i, result in zip(kept, got, strict=True):
+            results[i] = result
+        return results
 
     async def _gather(self, batch: _Batch[_K, _R]) -> None:
         seen = 0

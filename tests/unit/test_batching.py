@@ -281,3 +281,46 @@ async def test_the_reader_cancelled_mid_read_still_answers_the_others() -> None:
         reads.gates[0].set()
     assert answers == [frozenset({"closed-1"})]
     assert reads.calls == 1
+
+
+async def test_callers_cancelled_before_the_statement_are_left_out_of_it() -> None:
+    """Where results are handed back (a claim), a caller cancelled before the
+    statement is sent (its tick cancelled: leadership lost) is left out of
+    it, and a batch left with no caller sends nothing: no claim is made for
+    a destination whose leadership was lost while the claim gathered."""
+    recorder = Recorder()
+    abandoned: list[tuple[int, int]] = []
+
+    async def on_abandoned(key: int, result: int) -> None:
+        abandoned.append((key, result))
+
+    coalesce: Coalescer[int, int] = Coalescer(
+        "t", recorder.run, clock=ManualClock(), window_seconds=0.01, on_abandoned=on_abandoned
+    )
+    served: dict[int, int] = {}
+    scopes = {k: anyio.CancelScope() for k in range(5)}
+
+    async def ask(k: int) -> None:
+        with scopes[k]:
+            served[k] = await coalesce(k)
+
+    async with anyio.create_task_group() as tg:  # every caller gone: no statement
+        tg.start_soon(ask, 0)
+        tg.start_soon(ask, 1)
+        await settle()  # both asked; the runner waits out its window
+        scopes[1].cancel()
+        await settle()
+        scopes[0].cancel()
+    assert recorder.batches == []
+    assert coalesce.statements["t"] == 0
+    async with anyio.create_task_group() as tg:  # the runner and one other gone
+        tg.start_soon(ask, 2)
+        tg.start_soon(ask, 3)
+        tg.start_soon(ask, 4)
+        await settle()
+        scopes[3].cancel()
+        await settle()
+        scopes[2].cancel()
+    assert recorder.batches == [[4]]
+    assert served == {4: 40}
+    assert abandoned == []
