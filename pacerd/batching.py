@@ -9,16 +9,20 @@ a release's critical path, within a few milliseconds more) become one
 statement whose rows are handed back to each caller. The number of
 statements a tick costs therefore does not grow with the number of
 destinations. The release slices' closed checks are served from one small
-snapshot (paused or cooling-down destinations), re-read at most every
-``CLOSED_CHECK_SECONDS``.
+snapshot (paused or cooling-down destinations, ``ClosedSnapshot``), begun
+at most ``CLOSED_CHECK_SECONDS`` before each check.
 
 It implements ``admission.AdmissionLedger``: the tick code is the same over
 this, over the plain ``Ledger`` and over the simulation's fakes.
+
+``SharedPublisher`` does the same for the broker: the release slices of
+every destination that come due in one round of the event loop are written
+in one ``write_batch`` (one acquisition of the channel's lock, one socket
+write), and each slice then awaits its own confirms.
 """
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -28,15 +32,17 @@ import anyio.lowlevel
 import structlog
 
 from pacerd.admission import CLOSED_CHECK_SECONDS
-from pacerd.errors import LedgerError
+from pacerd.errors import BrokerUnavailable, LedgerError, PublishError
 from pacerd.models import ClaimRequest
 
 if TYPE_CHECKING:
+    import asyncio
     from collections.abc import Awaitable, Callable, Mapping, Sequence
 
     from pacerd.clock import Clock
     from pacerd.ledger import Ledger
     from pacerd.models import ClaimedJob, DestinationRow, JobRef
+    from pacerd.publisher import Broker
 
 log = structlog.get_logger("pacerd.batching")
 
@@ -58,6 +64,8 @@ class _Batch(Generic[_K, _R]):
     results: list[_R] | None = None
     error: BaseException | None = None
     abandoned: list[int] = field(default_factory=list)  # callers gone before the results
+    withdrawn: set[int] = field(default_factory=set)  # callers gone before the statement
+    started: bool = False  # its statement was sent
 
 
 class Coalescer(Generic[_K, _R]):
@@ -70,8 +78,11 @@ class Coalescer(Generic[_K, _R]):
     kind at a time, so that callers slowed by a busy loop still share one),
     then runs the statement shielded, so that a caller cancelled meanwhile
     (its leadership lost) does not fail the others. ``on_abandoned`` gets
-    the result of a caller that was cancelled while it waited (a claim's
-    jobs, to be released)."""
+    the result of a caller that was cancelled while the statement ran (a
+    claim's jobs, to be released); where it is set, a caller cancelled
+    before the statement was sent is left out of it, and a batch left with
+    no caller sends none (a tick cancelled on losing its leadership claims
+    nothing more)."""
 
     def __init__(
         self,
@@ -100,7 +111,9 @@ class Coalescer(Generic[_K, _R]):
             try:
                 await batch.done.wait()
             except BaseException:
-                if batch.results is None:
+                if not batch.started and self._on_abandoned is not None:
+                    batch.withdrawn.add(index)  # left out of the statement
+                elif batch.results is None:
                     batch.abandoned.append(index)  # the runner hands its result back
                 elif self._on_abandoned is not None:
                     with anyio.CancelScope(shield=True):
@@ -115,6 +128,8 @@ class Coalescer(Generic[_K, _R]):
                 await self._running.wait()
         except BaseException as exc:  # cancelled: the batch still runs, for the others
             cancelled = exc
+            if self._on_abandoned is not None:
+                batch.withdrawn.add(0)
         finally:
             if self._open is batch:
                 self._open = None
@@ -123,8 +138,7 @@ class Coalescer(Generic[_K, _R]):
                 await self._running.wait()
             running = self._running = anyio.Event()
             try:
-                self.statements[self.name] += 1
-                batch.results = await self._run(batch.keys)
+                batch.results = await self._run_batch(batch)
             except Exception as exc:  # every caller of the batch gets it
                 batch.error = exc
             finally:
@@ -140,11 +154,32 @@ class Coalescer(Generic[_K, _R]):
             except BaseException as exc:
                 cancelled = exc
         if cancelled is not None:
-            if batch.results is not None and self._on_abandoned is not None:
+            if (
+                batch.results is not None
+                and self._on_abandoned is not None
+                and 0 not in batch.withdrawn
+            ):
                 with anyio.CancelScope(shield=True):
                     await self._on_abandoned(key, batch.results[0])
             raise cancelled
         return self._result(batch, 0)
+
+    async def _run_batch(self, batch: _Batch[_K, _R]) -> list[_R]:
+        """The statement for the keys not withdrawn (none: no statement); the
+        results in the batch's order (a withdrawn key's is never read)."""
+        batch.started = True
+        if not batch.withdrawn:
+            self.statements[self.name] += 1
+            return await self._run(batch.keys)
+        kept = [i for i in range(len(batch.keys)) if i not in batch.withdrawn]
+        if not kept:
+            return []
+        self.statements[self.name] += 1
+        got = await self._run([batch.keys[i] for i in kept])
+        results: list[_R] = [got[0]] * len(batch.keys)  # placeholders at the withdrawn
+        for i, result in zip(kept, got, strict=True):
+            results[i] = result
+        return results
 
     async def _gather(self, batch: _Batch[_K, _R]) -> None:
         seen = 0
@@ -162,6 +197,68 @@ class Coalescer(Generic[_K, _R]):
             raise batch.error
         assert batch.results is not None
         return batch.results[index]
+
+
+@dataclass(slots=True)
+class _Snapshot:
+    began: float  # when its statement was sent (Clock.monotonic)
+    done: anyio.Event = field(default_factory=anyio.Event)
+    closed: frozenset[str] = frozenset()
+    error: Exception | None = None
+
+
+class ClosedSnapshot:
+    """The paused and cooling-down destinations, read by one statement for
+    every release slice that checks at about the same time.
+
+    A check asked at time t is answered from a snapshot whose statement
+    began at or after t - ``max_age_seconds``: the last one if it is that
+    recent, else the one in flight if it began that recently, else the next
+    one. What a caller waited for answers it, however long the event loop
+    took to wake it (re-judging its age at wake-up sent a busy loop's
+    waiters round again, each wake-up of a thousand of them for nothing).
+    A failed read fails the checks that waited for it."""
+
+    def __init__(
+        self,
+        read: Callable[[], Awaitable[frozenset[str]]],
+        *,
+        clock: Clock,
+        max_age_seconds: float,
+        counts: Counter[str] | None = None,
+    ) -> None:
+        self._read = read
+        self.clock = clock
+        self.max_age_seconds = max_age_seconds
+        self.statements = counts if counts is not None else Counter()
+        self._last: _Snapshot | None = None  # the last one read without error
+        self._reading: _Snapshot | None = None
+
+    async def __call__(self) -> frozenset[str]:
+        oldest = self.clock.monotonic() - self.max_age_seconds
+        while True:
+            last = self._last
+            if last is not None and last.began >= oldest:
+                return last.closed
+            snapshot = self._reading
+            if snapshot is None:
+                snapshot = self._reading = _Snapshot(began=self.clock.monotonic())
+                with anyio.CancelScope(shield=True):  # for the others, if this caller goes
+                    try:
+                        self.statements["closed_destinations"] += 1
+                        snapshot.closed = await self._read()
+                        self._last = snapshot
+                    except Exception as exc:
+                        snapshot.error = exc
+                    finally:
+                        self._reading = None
+                        snapshot.done.set()
+            else:
+                await snapshot.done.wait()
+            if snapshot.began >= oldest:  # else it began too early for this check: the next
+                if snapshot.error is not None:
+                    raise snapshot.error
+                return snapshot.closed
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,9 +298,10 @@ class SharedLedger:
         self._release = shared("release_claims", self._release_many, lazy=True)
         self._save = shared("save_pacer_state", self._save_many, lazy=True)
         self._park = shared("park_destinations", self._park_many, lazy=True)
-        self._closed: frozenset[str] | None = None
-        self._closed_at = -math.inf
-        self._closed_refresh: anyio.Event | None = None
+        self._closed = ClosedSnapshot(
+            ledger.closed_destinations, clock=clock, max_age_seconds=CLOSED_CHECK_SECONDS,
+            counts=self.statements,
+        )  # fmt: skip
 
     # -- AdmissionLedger -----------------------------------------------------------
 
@@ -251,25 +349,11 @@ class SharedLedger:
         return await self.ledger.has_due(destination, at_least=at_least)
 
     async def is_closed(self, destination: str) -> bool:
-        """Paused or cooling down, as of a snapshot at most
-        ``CLOSED_CHECK_SECONDS`` old (one small statement for everyone)."""
-        while (
-            self._closed is None or self.clock.monotonic() - self._closed_at > CLOSED_CHECK_SECONDS
-        ):
-            if self._closed_refresh is not None:
-                await self._closed_refresh.wait()
-                continue
-            refresh = self._closed_refresh = anyio.Event()
-            try:
-                with anyio.CancelScope(shield=True):
-                    began = self.clock.monotonic()
-                    self.statements["closed_destinations"] += 1
-                    self._closed = await self.ledger.closed_destinations()
-                    self._closed_at = began
-            finally:
-                self._closed_refresh = None
-                refresh.set()
-        return "*" in self._closed or destination in self._closed
+        """Paused or cooling down, as of a snapshot begun at most
+        ``CLOSED_CHECK_SECONDS`` before the check (one small statement for
+        everyone, ``ClosedSnapshot``)."""
+        closed = await self._closed()
+        return "*" in closed or destination in closed
 
     async def park(self, destination: str) -> bool:
         """Parks ``destination`` if it has nothing due and nothing in flight
@@ -328,3 +412,110 @@ class SharedLedger:
     async def _save_many(self, saves: list[tuple[str, Mapping[str, Any], int]]) -> list[None]:
         await self.ledger.save_pacer_states(saves)
         return [None] * len(saves)
+
+
+@dataclass(eq=False, slots=True)
+class _Slice:
+    jobs: Sequence[ClaimedJob]
+    headers: Sequence[Mapping[str, str]]
+    taken: bool = False  # in a write: its messages go out
+    abandoned: bool = False  # its caller left once it was taken
+    written: anyio.Event = field(default_factory=anyio.Event)
+    confirms: Sequence[asyncio.Future[Any]] = ()
+    error: PublishError | None = None
+
+
+class SharedPublisher:
+    """The broker as the tick loop shares it (``publisher.Publisher``).
+
+    Each release slice was one ``write_batch``: with a thousand destinations
+    releasing at once they queued on the channel's lock and on the
+    connection's bounded frame queue, one a round of the event loop, and a
+    slice's write waited seconds for those before it while the broker
+    confirmed in milliseconds; the ticks then ended late and their next
+    budgets shrank. Here the first slice of a round waits that one round, so
+    that the others released meanwhile join it, and writes them all at once;
+    each slice then awaits its own confirms (``Broker.settle``), as
+    ``publish_many`` did. A slice whose caller is cancelled before the write
+    is left out of it (nothing of it is published); cancelled after, its
+    confirms are cancelled and the caller releases its jobs, as before."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self._pending: list[_Slice] | None = None
+        self.writes = 0  # write_batch calls made (tests, the bench)
+
+    async def declare_destination(self, destination: str, queue: str) -> None:
+        await self.broker.declare_destination(destination, queue)
+
+    async def publish(self, job: ClaimedJob, headers: Mapping[str, str]) -> None:
+        await self.broker.publish(job, headers)
+
+    async def publish_many(
+        self, jobs: Sequence[ClaimedJob], headers: Sequence[Mapping[str, str]]
+    ) -> list[PublishError | None]:
+        if not jobs:
+            return []
+        mine = _Slice(jobs, headers)
+        pending = self._pending
+        if pending is None:
+            await self._lead(mine)
+        else:
+            pending.append(mine)
+            try:
+                await mine.written.wait()
+            except BaseException:
+                if not mine.taken:
+                    pending.remove(mine)  # withdrawn: not written
+                elif mine.written.is_set():
+                    for confirm in mine.confirms:
+                        confirm.cancel()
+                else:
+                    mine.abandoned = True  # the write cancels its confirms
+                raise
+        if mine.error is not None:
+            return [mine.error] * len(jobs)
+        return await self.broker.settle(mine.confirms)
+
+    async def _lead(self, mine: _Slice) -> None:
+        """Gathers the slices of this round, then writes them (shielded, for
+        the others, if this caller is cancelled meanwhile)."""
+        pending = self._pending = [mine]
+        cancelled: BaseException | None = None
+        try:
+            await anyio.lowlevel.checkpoint()
+        except BaseException as exc:
+            cancelled = exc
+            pending.remove(mine)
+        finally:
+            self._pending = None
+        if pending:
+            with anyio.CancelScope(shield=True):
+                await self._write(pending)
+        if cancelled is not None:
+            raise cancelled
+
+    async def _write(self, slices: list[_Slice]) -> None:
+        for piece in slices:
+            piece.taken = True
+        try:
+            self.writes += 1
+            written = await self.broker.write_many(
+                [job for piece in slices for job in piece.jobs],
+                [h for piece in slices for h in piece.headers],
+            )
+            start = 0
+            for piece in slices:
+                if isinstance(written, PublishError):
+                    piece.error = written
+                else:
+                    piece.confirms = written[start : start + len(piece.jobs)]
+                    if piece.abandoned:
+                        for confirm in piece.confirms:
+                            confirm.cancel()
+                start += len(piece.jobs)
+        finally:
+            for piece in slices:
+                if piece.error is None and not piece.confirms:  # the write itself broke
+                    piece.error = BrokerUnavailable("the publish failed")
+                piece.written.set()

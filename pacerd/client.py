@@ -110,10 +110,10 @@ class Client:
         self.queries = load_queries()
 
     @classmethod
-    async def connect(cls, dsn: str, *, max_size: int = 4, reset: bool = True) -> Client:
-        """``reset=False``: the caller changes no session state (see
+    async def connect(cls, dsn: str, *, max_size: int = 4, stateless: bool = False) -> Client:
+        """``stateless``: the caller changes no session state (see
         ``ledger.connect_pool``), so connections go back to the pool as they are."""
-        return cls(await connect_pool(dsn, min_size=1, max_size=max_size, reset=reset))
+        return cls(await connect_pool(dsn, min_size=1, max_size=max_size, stateless=stateless))
 
     async def close(self) -> None:
         await self.pool.close()

@@ -114,7 +114,9 @@ class CurrentCheck:
 
             try:
                 # only is_current's SELECT: no session state to reset between statements
-                self._client = await Client.connect(self.dsn, max_size=self.pool_size, reset=False)
+                self._client = await Client.connect(
+                    self.dsn, max_size=self.pool_size, stateless=True
+                )
             except LedgerError as exc:
                 self._retry_at = self.clock.monotonic() + RECONNECT_SECONDS
                 log.warning("is_current_unavailable", error=str(exc))

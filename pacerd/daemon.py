@@ -14,7 +14,7 @@ No SQL and no AMQP here: those belong to ledger.py and publisher.py.
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 import structlog
@@ -85,7 +85,6 @@ class Daemon:
         self.tickloop: TickLoop | None = None
         self.supervisor = Supervisor(self)
         self.ready = False
-        self._ledger_error: str | None = None  # the last supervisor pass's, for /readyz
 
     # -- SignalTarget ----------------------------------------------------------
 
@@ -118,19 +117,15 @@ class Daemon:
 
     async def _connect_ledger(self) -> ledger_module.Ledger:
         led = await ledger_module.Ledger.connect(
-            self.cfg.database.dsn,
-            max_size=self.cfg.database.pool_max_size,
+            self.cfg.database.dsn, max_size=self.cfg.database.pool_max_size,
             connect_timeout=self.cfg.database.connect_timeout_seconds,
-        )
+        )  # fmt: skip
         try:
             await led.prepare(self.cfg.retry, self.cfg.destinations)
             self.leadership = Leadership(
-                self.locks,
-                partitions=await led.read_partitions(),
-                instance=self.instance,
-                clock=self.clock,
-                broker_grace_seconds=max(5.0, 3 * self.cfg.pacing.tick_seconds),
-            )
+                self.locks, partitions=await led.read_partitions(), instance=self.instance,
+                clock=self.clock, broker_grace_seconds=max(5.0, 3 * self.cfg.pacing.tick_seconds),
+            )  # fmt: skip
         except BaseException:
             await led.close()
             raise
@@ -193,12 +188,12 @@ class Daemon:
             on_result=outcomes.on_reconcile, telemetry=self.telemetry,
             should_run=lambda: not self.shadow and leadership.reconciles(),
         )  # fmt: skip
-        self.tickloop = TickLoop(
+        tickloop = self.tickloop = TickLoop(
             ledger=ledger, broker=self.broker, clock=self.clock, leadership=leadership,
             admission_config=self.supervisor.admission_config, route=self.supervisor.route,
             observer=self.observer, is_paused_locally=lambda: self._local_paused,
             stop=self.stop_requested, tick_seconds=self.supervisor.tick_seconds,
-            forget=self.observer.forget,
+            forget=self.observer.forget, grace_seconds=self.cfg.daemon.shutdown_grace_seconds,
         )  # fmt: skip
         with anyio.CancelScope() as services_scope:
             async with anyio.create_task_group() as tg:
@@ -207,43 +202,20 @@ class Daemon:
                 if self.cfg.telemetry.http_address:
                     from pacerd.health import serve_health
 
-                    address = self.cfg.telemetry.http_address
-                    health = partial(
-                        serve_health, address, liveness=self._liveness, readiness=self._readiness
-                    )
-                    await tg.start(health)
+                    await tg.start(partial(
+                        serve_health, self.cfg.telemetry.http_address,
+                        liveness=self.supervisor.liveness, readiness=self.supervisor.readiness,
+                    ))  # fmt: skip
                 await tg.start(self.supervisor.run)
-                admissions_scope = anyio.CancelScope()
-                admissions_done = anyio.Event()
-
-                async def ticks(*, task_status: Any) -> None:
-                    assert self.tickloop is not None
-                    try:
-                        with admissions_scope:
-                            await self.tickloop.run(task_status=task_status)
-                    finally:
-                        admissions_done.set()
-
-                await tg.start(ticks)
+                await tg.start(tickloop.run)
                 tg.start_soon(due_metrics, ledger, self, self.observer)
                 self.ready = True
                 self.ready_event.set()
                 self.notifier.ready(f"running as {self.instance}")
                 log.info("pacerd_ready", instance=self.instance)
                 await self.stop_requested.wait()
-                # Stop admitting: every tick stops at its next release slice, its
-                # confirms drained and its unpublished claims released; past the
-                # grace, the ticks are cancelled (and still release).
-                grace = self.cfg.daemon.shutdown_grace_seconds
-                admissions_scope.deadline = anyio.current_time() + grace
-                await admissions_done.wait()
+                await tickloop.ended.wait()  # its ticks stopped, within the grace
                 services_scope.cancel()
-
-    def _liveness(self) -> tuple[bool, dict[str, Any]]:
-        return self.supervisor.liveness()
-
-    def _readiness(self) -> tuple[bool, dict[str, Any]]:
-        return self.supervisor.readiness()
 
     async def _close(self) -> None:
         if self.leadership is not None:

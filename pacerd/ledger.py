@@ -126,8 +126,14 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
         )
 
 
-async def _keep_session(conn: asyncpg.Connection) -> None:
-    """A pool's reset that sends nothing (``connect_pool(reset=False)``)."""
+async def _roll_back_only(conn: asyncpg.Connection) -> None:
+    """A stateless pool (the daemon's ledger, a worker's currency checks)
+    resets nothing on release beyond the open transaction asyncpg rolls back
+    itself: its sessions keep no state (no SET, LISTEN, cursor or session
+    advisory lock: leadership and migrations use connections of their own),
+    and the default reset
+    (``pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL``) was
+    one more round trip, and one more transaction, for every statement."""
 
 
 async def connect_pool(
@@ -136,13 +142,11 @@ async def connect_pool(
     min_size: int = 1,
     max_size: int = 8,
     connect_timeout: float = 10.0,
-    reset: bool = True,
+    stateless: bool = False,
 ) -> asyncpg.Pool:
-    """A pool of connections to the ledger. ``reset=False`` for a pool whose
-    users change no session state (no ``SET``, lock, cursor or ``LISTEN``):
-    asyncpg's reset on every release (advisory unlock, ``CLOSE ALL``,
-    ``UNLISTEN``, ``RESET ALL``) is a second round trip and four statements
-    for each statement sent."""
+    """An asyncpg pool with pacerd's settings. ``stateless``: the caller
+    keeps no session state on its connections, so releasing one sends no
+    reset (``_roll_back_only``)."""
     with translate_errors():
         pool: asyncpg.Pool = await asyncpg.create_pool(
             dsn,
@@ -151,12 +155,12 @@ async def connect_pool(
             timeout=connect_timeout,
             command_timeout=60,
             init=_init_connection,
+            reset=_roll_back_only if stateless else None,
             # Every statement pacerd sends is short and its plan's cost is a
             # guess (arrays unnested, CTEs): over jit_above_cost, PostgreSQL
             # compiled the claim for ~0.6 s on every call, while it ran in
             # ~0.2 ms. JIT pays only on long analytic queries.
             server_settings={"jit": "off"},
-            reset=None if reset else _keep_session,
         )
         return pool
 
@@ -312,7 +316,10 @@ class Ledger:
 
     @classmethod
     async def connect(cls, dsn: str, *, max_size: int = 8, connect_timeout: float = 10.0) -> Ledger:
-        return cls(await connect_pool(dsn, max_size=max_size, connect_timeout=connect_timeout))
+        pool = await connect_pool(
+            dsn, max_size=max_size, connect_timeout=connect_timeout, stateless=True
+        )
+        return cls(pool)
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):

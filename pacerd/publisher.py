@@ -344,11 +344,22 @@ class Broker:
         would raise it); raises nothing but cancellation."""
         if not jobs:
             return []
+        written = await self.write_many(jobs, headers)
+        if isinstance(written, PublishError):
+            return [written] * len(jobs)
+        return await self.settle(written)
+
+    async def write_many(
+        self, jobs: Sequence[ClaimedJob], headers: Sequence[Mapping[str, str]]
+    ) -> list[asyncio.Future[Any]] | PublishError:
+        """The first half of ``publish_many``: writes ``jobs`` (``write_batch``)
+        and returns each one's confirmation future, or the ``PublishError``
+        that failed them all."""
         keys = {d: self.routing_key(d) for d in {job.destination for job in jobs}}
         try:
             underlay = await self._require_underlay()
             with translate_errors():
-                confirms = await write_batch(
+                return await write_batch(
                     underlay,
                     [
                         (
@@ -361,10 +372,15 @@ class Broker:
                     ],
                 )
         except PublishError as exc:
-            return [exc] * len(jobs)
+            return exc
+
+    async def settle(self, confirms: Sequence[asyncio.Future[Any]]) -> list[PublishError | None]:
+        """The second half of ``publish_many``: awaits ``confirms`` within one
+        ``publish_timeout_seconds``; cancelled, it cancels them (the broker's
+        confirms, if any, are ignored)."""
         try:
             _done, pending = await asyncio.wait(confirms, timeout=self.publish_timeout_seconds)
-        except BaseException:  # cancelled: the broker's confirms, if any, are ignored
+        except BaseException:
             for confirm in confirms:
                 confirm.cancel()
             raise

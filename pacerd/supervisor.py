@@ -35,6 +35,7 @@ class Supervisor:
         self._watchdog_every = min(1.0, watchdog_interval_seconds() or 1.0)
         self._next_watchdog = 0.0
         self._led: tuple[frozenset[int], int] | None = None  # leadership last recorded
+        self.ledger_error: str | None = None  # the last pass's, for /readyz
 
     def admission_config(self, destination: str) -> AdmissionConfig:
         return AdmissionConfig(
@@ -144,10 +145,10 @@ class Supervisor:
                     settle_seconds=self.tick_seconds(),
                 )  # fmt: skip
                 self._record_leadership()
-                self.d._ledger_error = None
+                self.ledger_error = None
             except PacerdError as exc:
                 if isinstance(exc, LedgerError):
-                    self.d._ledger_error = redact(str(exc))
+                    self.ledger_error = redact(str(exc))
                 log.warning("supervisor_pass_failed", error=str(exc))
             if not started:
                 task_status.started()
@@ -196,10 +197,10 @@ class Supervisor:
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """Ledger and broker reachable (the supervisor pass reads the ledger every tick)."""
-        ledger = self.d.ledger is not None and self.d._ledger_error is None
+        ledger = self.d.ledger is not None and self.ledger_error is None
         ok = self.d.ready and self.d.broker.connected and ledger
         data: dict[str, Any] = {"broker": self.d.broker.connected, "ledger": ledger}
-        if self.d._ledger_error is not None:
-            data["ledger_error"] = self.d._ledger_error
+        if self.ledger_error is not None:
+            data["ledger_error"] = self.ledger_error
         held = sorted(self.d.leadership.held()) if self.d.leadership is not None else []
         return ok, {**data, "leading": sorted(self.d.locks.held), "partitions": held}

@@ -6,7 +6,7 @@ it, and nothing for the others.
                   ─► a tick task for each newly active destination
     each active destination, on the loop's schedule:
                 read ─► pacer (pure) ─► claim ─► publish across the tick
-                ─► mark ─► save             (statements shared: batching.py)
+                ─► mark ─► save   (statements and broker writes shared: batching.py)
     quiet for QUIET_TICKS ticks (nothing due, nothing in flight, no new
     outcomes): parked in the ledger, its task and memory gone
 
@@ -26,6 +26,7 @@ their tick, and the partition is unlocked once none of them runs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -34,7 +35,7 @@ import structlog
 
 from pacerd import pacer
 from pacerd.admission import DestinationAdmission, TickResult, run_destination, sleep_until_or_stop
-from pacerd.batching import SharedLedger
+from pacerd.batching import SharedLedger, SharedPublisher
 from pacerd.errors import PacerdError
 
 if TYPE_CHECKING:
@@ -91,10 +92,12 @@ class TickLoop:
         stop: anyio.Event,
         tick_seconds: Callable[[], float],
         forget: Callable[[str], None],
+        grace_seconds: float = math.inf,
     ) -> None:
         self.ledger = ledger
         self.shared = SharedLedger(ledger, clock=clock)
         self.broker = broker
+        self.publisher = SharedPublisher(broker)  # the admissions' releases, written together
         self.clock = clock
         self.leadership = leadership
         self.admission_config = admission_config
@@ -104,6 +107,8 @@ class TickLoop:
         self.stop = stop
         self.tick_seconds = tick_seconds
         self.forget = forget
+        self.grace_seconds = grace_seconds
+        self.ended = anyio.Event()  # set when ``run`` has returned
         self.active: dict[str, _Active] = {}
         self.seen: dict[str, int] = {}  # every destination run here, and its partition
         self._ended = anyio.Event()  # set when a destination's task ends
@@ -116,9 +121,23 @@ class TickLoop:
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         """Runs until ``stop``; then waits for every tick in progress to end
-        (each stops at its next release slice and releases what it holds)."""
+        (each stops at its next release slice, its confirms drained and its
+        unpublished claims released); past ``grace_seconds`` after ``stop``,
+        the ticks are cancelled (and still release). ``ended`` is set on return."""
+        try:
+            with anyio.CancelScope() as scope:
+                await self._run(scope, task_status)
+        finally:
+            self.ended.set()
+
+    async def _run(self, scope: anyio.CancelScope, task_status: anyio.abc.TaskStatus[None]) -> None:
+        async def grace() -> None:
+            await self.stop.wait()
+            scope.deadline = anyio.current_time() + self.grace_seconds
+
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._cancel_lost)
+            tg.start_soon(grace)
             task_status.started()
             grid = self.clock.monotonic()
             while not self.stop.is_set():
@@ -175,7 +194,7 @@ class TickLoop:
     ) -> None:
         admission = DestinationAdmission(
             ledger=self.shared,
-            publisher=self.broker,
+            publisher=self.publisher,
             clock=self.clock,
             config=self.admission_config(destination),
             observer=self.observer,

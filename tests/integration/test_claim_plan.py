@@ -154,9 +154,7 @@ def scanned(plan: dict[str, Any]) -> int:
     return max((touched(n) for n in nodes(plan) if n.get("Index Name") in RANGE_SCANS), default=0)
 
 
-async def explain(
-    conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy, name: str, *, top: bool = False
-) -> dict[str, Any]:
+async def explain(conn: ledger.Conn, name: str, *, top: bool = False) -> dict[str, Any]:
     """The plan of statement ``name`` as it ran (``top``: EXPLAIN's whole
     document, with its JIT section, rather than the plan tree)."""
     args, _ = STATEMENTS[name]

@@ -1553,3 +1553,27 @@ async def test_oldest_due_has_due_count_inflight(
     assert await ledger_.oldest_due("d", now=t) == t - secs(8)
     summary = {s.destination: s for s in await ledger_.due_summary(now=t)}
     assert (summary["d"].due, summary["d"].inflight, summary["d"].dead) == (3, 2, 0)
+
+
+async def test_the_daemons_pool_sends_no_reset_but_rolls_back_an_open_transaction(
+    db_dsn: str, sql: asyncpg.Connection
+) -> None:
+    """A statement is one round trip: the pool's default reset on release
+    (pg_advisory_unlock_all, CLOSE ALL, UNLISTEN, RESET ALL) was a second one,
+    and a transaction of its own, after each. What asyncpg rolls back itself,
+    a transaction left open, still is; the session settings stay (JIT off)."""
+    led = await ledger.Ledger.connect(db_dsn, max_size=1)
+    try:
+        pid = await led.pool.fetchval("SELECT pg_backend_pid()")
+        await led.closed_destinations()
+        last = await sql.fetchval("SELECT query FROM pg_stat_activity WHERE pid = $1", pid)
+        assert last == led.queries["closed_destinations"].sql
+        async with led.pool.acquire() as conn:
+            await conn.execute("BEGIN")
+            await conn.execute("UPDATE pacerd.control SET paused_all = true")
+        async with led.pool.acquire() as conn:
+            assert await conn.fetchval("SELECT pg_backend_pid()") == pid  # the same session
+            assert not await conn.fetchval("SELECT paused_all FROM pacerd.control")
+            assert await conn.fetchval("SHOW jit") == "off"
+    finally:
+        await led.close()

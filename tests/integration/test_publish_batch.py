@@ -15,9 +15,12 @@ from urllib.parse import urlsplit, urlunsplit
 
 import aio_pika
 import aiormq
+import anyio
+import anyio.lowlevel
 import pytest
 from support.proxy import FaultProxy
 
+from pacerd.batching import SharedPublisher
 from pacerd.errors import BrokerUnavailable, PublishTimeout
 from pacerd.models import ClaimedJob
 from pacerd.publisher import READY_EXCHANGE, Broker, ready_queue_name, write_batch
@@ -185,3 +188,81 @@ async def test_a_channel_without_confirms_is_refused() -> None:
     channel.publisher_confirms = False
     with pytest.raises(ValueError, match="confirm mode"):
         await write_batch(channel, [])
+
+
+async def test_slices_released_together_are_written_once_and_confirmed_each(
+    amqp_url: str,
+) -> None:
+    """``batching.SharedPublisher``: the release slices of many destinations
+    that come in one round are one write; each slice gets its own results,
+    and an unroutable message fails only its own slice. A caller cancelled
+    once its slice is in the write leaves its confirms cancelled (aiormq's
+    tables clean); its messages went out, as a slice cancelled while it
+    awaited its confirms always did (the tick releases its jobs)."""
+    broker, destination = await _broker(amqp_url)
+    shared = SharedPublisher(broker)
+    results: dict[int, list[Any]] = {}
+    late = anyio.CancelScope()
+
+    async def release(i: int) -> None:
+        jobs = [_job(f"s{i}-{k}", destination) for k in range(3)]
+        if i == 7:
+            jobs.append(_job(f"s{i}-lost", "batch-nowhere"))
+        results[i] = await shared.publish_many(jobs, [{}] * len(jobs))
+
+    async def cancelled_release() -> None:
+        with late:
+            await shared.publish_many([_job("gone", destination)], [{}])
+        results[-1] = []
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for i in range(50):
+                tg.start_soon(release, i)
+            tg.start_soon(cancelled_release)
+            await anyio.lowlevel.checkpoint()  # every slice has asked
+            late.cancel()  # delivered after the first slice's round: in the write
+        assert shared.writes == 1
+        assert all(results[i] == [None, None, None] for i in range(50) if i != 7)
+        assert results[7][:3] == [None, None, None]
+        assert results[7][3] is not None
+        assert results[-1] == []  # cancelled
+        await asyncio.sleep(0.1)  # the done callbacks run
+        assert _tables(broker) == (0, 0)
+        got = {m.message_id for m in await _drain(amqp_url, destination)}
+        assert got == {f"s{i}-{k}:1" for i in range(50) for k in range(3)} | {"gone:1"}
+    finally:
+        await broker.close()
+
+
+async def test_a_lone_slice_goes_out_at_once_and_the_first_caller_cancelled_still_writes_the_others(
+    amqp_url: str,
+) -> None:
+    """The first slice of a round waits that round for the others; cancelled
+    meanwhile, it is left out of the write (nothing of it is published) and
+    the others still go."""
+    broker, destination = await _broker(amqp_url)
+    shared = SharedPublisher(broker)
+    try:
+        assert await shared.publish_many([_job("alone", destination)], [{}]) == [None]
+        first = anyio.CancelScope()
+        second: list[Any] = []
+
+        async def leader() -> None:
+            with first:
+                await shared.publish_many([_job("first", destination)], [{}])
+
+        async def follower() -> None:
+            second.extend(await shared.publish_many([_job("second", destination)], [{}]))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(leader)
+            await anyio.lowlevel.checkpoint()
+            tg.start_soon(follower)
+            first.cancel()
+        assert second == [None]
+        assert shared.writes == 2
+        got = {m.message_id for m in await _drain(amqp_url, destination)}
+        assert got == {"alone:1", "second:1"}
+    finally:
+        await broker.close()

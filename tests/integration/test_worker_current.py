@@ -114,8 +114,8 @@ async def test_the_worker_runs_its_handlers_when_the_database_is_down() -> None:
 async def test_the_checks_pool_leaves_sessions_as_they_are(db_dsn: str) -> None:
     """``CurrentCheck``'s statements go back to the pool without asyncpg's
     reset (a round trip and four statements each); a default pool still resets."""
-    for reset, kept in ((False, "kept"), (True, "")):
-        client = await Client.connect(db_dsn, max_size=1, reset=reset)
+    for stateless, kept in ((True, "kept"), (False, "")):
+        client = await Client.connect(db_dsn, max_size=1, stateless=stateless)
         try:
             async with client.pool.acquire() as conn:
                 await conn.execute("SET application_name = 'kept'")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import anyio
 import anyio.lowlevel
 
-from pacerd.batching import Coalescer
+from pacerd.batching import ClosedSnapshot, Coalescer
 from pacerd.clock import ManualClock
 
 
@@ -129,3 +129,198 @@ async def test_a_window_lets_later_requests_join() -> None:
         clock.advance(0.02)
     assert recorder.batches == [[1, 2], [3]]
     assert sorted(results) == [10, 20, 30]
+
+
+class Snapshots:
+    """The closed-destinations read: counts its calls, each held until released."""
+
+    def __init__(self, clock: ManualClock) -> None:
+        self.clock = clock
+        self.calls = 0
+        self.gates: list[anyio.Event] = []
+        self.fail = False
+
+    async def read(self) -> frozenset[str]:
+        self.calls += 1
+        gate = anyio.Event()
+        self.gates.append(gate)
+        await gate.wait()
+        if self.fail:
+            raise RuntimeError("the read failed")
+        return frozenset({f"closed-{self.calls}"})
+
+
+async def settle() -> None:
+    for _ in range(20):
+        await anyio.lowlevel.checkpoint()
+
+
+async def test_a_check_that_waited_for_a_snapshot_takes_it_however_late_it_wakes() -> None:
+    """A busy loop wakes the waiters of a snapshot long after its statement
+    began; they are answered from it, not sent round for another (each
+    round woke a thousand waiters for nothing)."""
+    clock = ManualClock()
+    reads = Snapshots(clock)
+    snapshot = ClosedSnapshot(reads.read, clock=clock, max_age_seconds=0.02)
+    answers: list[frozenset[str]] = []
+
+    async def check() -> None:
+        answers.append(await snapshot())
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(100):
+            tg.start_soon(check)
+        await settle()
+        clock.advance(0.5)  # the statement and the wake-ups took far longer than the bound
+        reads.gates[0].set()
+    assert reads.calls == 1
+    assert answers == [frozenset({"closed-1"})] * 100
+    assert snapshot.statements["closed_destinations"] == 1
+
+
+async def test_a_check_is_answered_from_a_snapshot_begun_at_most_the_bound_before_it() -> None:
+    clock = ManualClock()
+    reads = Snapshots(clock)
+    snapshot = ClosedSnapshot(reads.read, clock=clock, max_age_seconds=0.02)
+    answers: list[frozenset[str]] = []
+
+    async def check() -> None:
+        answers.append(await snapshot())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(check)
+        await settle()
+        reads.gates[0].set()
+    clock.advance(0.015)
+    assert await snapshot() == frozenset({"closed-1"})  # begun 15 ms before: recent enough
+    assert reads.calls == 1
+    clock.advance(0.01)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(check)  # 25 ms after the first began: a new read
+        await settle()
+        assert reads.calls == 2
+        reads.gates[1].set()
+    assert answers == [frozenset({"closed-1"}), frozenset({"closed-2"})]
+
+
+async def test_a_read_begun_too_long_before_a_check_does_not_answer_it() -> None:
+    """A check that arrives while a read is in flight, more than the bound
+    after that read began, waits for the next one."""
+    clock = ManualClock()
+    reads = Snapshots(clock)
+    snapshot = ClosedSnapshot(reads.read, clock=clock, max_age_seconds=0.02)
+    answers: dict[str, frozenset[str]] = {}
+
+    async def check(name: str) -> None:
+        answers[name] = await snapshot()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(check, "early")
+        await settle()
+        clock.advance(0.05)
+        tg.start_soon(check, "late")
+        await settle()
+        reads.gates[0].set()
+        await settle()
+        assert reads.calls == 2
+        reads.gates[1].set()
+    assert answers == {"early": frozenset({"closed-1"}), "late": frozenset({"closed-2"})}
+
+
+async def test_a_failed_read_fails_the_checks_that_waited_for_it_and_the_next_one_reads_again() -> (
+    None
+):
+    clock = ManualClock()
+    reads = Snapshots(clock)
+    reads.fail = True
+    snapshot = ClosedSnapshot(reads.read, clock=clock, max_age_seconds=0.02)
+    failures: list[str] = []
+
+    async def check() -> None:
+        try:
+            await snapshot()
+        except RuntimeError as exc:
+            failures.append(str(exc))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(3):
+            tg.start_soon(check)
+        await settle()
+        reads.gates[0].set()
+    assert failures == ["the read failed"] * 3
+    assert reads.calls == 1
+    reads.fail = False
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(check)
+        await settle()
+        reads.gates[1].set()
+    assert reads.calls == 2
+
+
+async def test_the_reader_cancelled_mid_read_still_answers_the_others() -> None:
+    clock = ManualClock()
+    reads = Snapshots(clock)
+    snapshot = ClosedSnapshot(reads.read, clock=clock, max_age_seconds=0.02)
+    answers: list[frozenset[str]] = []
+    scope = anyio.CancelScope()
+
+    async def first() -> None:
+        with scope:
+            await snapshot()
+
+    async def other() -> None:
+        answers.append(await snapshot())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(first)
+        await settle()
+        tg.start_soon(other)
+        await settle()
+        scope.cancel()
+        await settle()
+        reads.gates[0].set()
+    assert answers == [frozenset({"closed-1"})]
+    assert reads.calls == 1
+
+
+async def test_callers_cancelled_before_the_statement_are_left_out_of_it() -> None:
+    """Where results are handed back (a claim), a caller cancelled before the
+    statement is sent (its tick cancelled: leadership lost) is left out of
+    it, and a batch left with no caller sends nothing: no claim is made for
+    a destination whose leadership was lost while the claim gathered."""
+    recorder = Recorder()
+    abandoned: list[tuple[int, int]] = []
+
+    async def on_abandoned(key: int, result: int) -> None:
+        abandoned.append((key, result))
+
+    coalesce: Coalescer[int, int] = Coalescer(
+        "t", recorder.run, clock=ManualClock(), window_seconds=0.01, on_abandoned=on_abandoned
+    )
+    served: dict[int, int] = {}
+    scopes = {k: anyio.CancelScope() for k in range(5)}
+
+    async def ask(k: int) -> None:
+        with scopes[k]:
+            served[k] = await coalesce(k)
+
+    async with anyio.create_task_group() as tg:  # every caller gone: no statement
+        tg.start_soon(ask, 0)
+        tg.start_soon(ask, 1)
+        await settle()  # both asked; the runner waits out its window
+        scopes[1].cancel()
+        await settle()
+        scopes[0].cancel()
+    assert recorder.batches == []
+    assert coalesce.statements["t"] == 0
+    async with anyio.create_task_group() as tg:  # the runner and one other gone
+        tg.start_soon(ask, 2)
+        tg.start_soon(ask, 3)
+        tg.start_soon(ask, 4)
+        await settle()
+        scopes[3].cancel()
+        await settle()
+        scopes[2].cancel()
+    assert recorder.batches == [[4]]
+    assert served == {4: 40}
+    assert abandoned == []

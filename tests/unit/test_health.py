@@ -205,10 +205,10 @@ async def test_daemon_without_broker_or_ledger_is_live_but_not_ready() -> None:
     """What the daemon answers before it connects, or after losing both."""
     cfg = load_config(None, {})
     daemon = Daemon(cfg, config_path=None, clock=ManualClock(), signals=False)
-    async with running_server(daemon._liveness, daemon._readiness) as port:
+    async with running_server(daemon.supervisor.liveness, daemon.supervisor.readiness) as port:
         live, _, _ = await get(port, "/livez")
         not_ready, _, body = await get(port, "/readyz")
-        daemon._ledger_error = "connection refused"
+        daemon.supervisor.ledger_error = "connection refused"
         _, _, with_error = await get(port, "/readyz")
     assert (live, not_ready) == (200, 503)
     assert json.loads(body)["checks"]["readiness"] == {

@@ -505,6 +505,83 @@ def test_no_endpoint_configured_exports_nothing_and_logs_nothing(
     assert "4318" not in stream.getvalue()
 
 
+def test_without_an_exporter_spans_carry_their_context_unrecorded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Nothing would read a recorded span: each is a NonRecordingSpan, and the
+    trace context still reaches the log lines, the published messages and the
+    spans continuing them, as a recorded one's would."""
+    _without_otel_env(monkeypatch)
+    stream = io.StringIO()
+    tel = setup_telemetry(
+        "pacerd", "info", "json", log_stream=stream, prometheus_registry=CollectorRegistry()
+    )
+    try:
+        assert not tel.record_spans
+        with tel.tick_span("mail") as tick:
+            structlog.get_logger("pacerd.admission").info("tick_completed", destination="mail")
+            with tel.publish_span("mail", messages=["job-1:1"]) as publish:
+                headers = inject_traceparent({})
+            record_a_tick(tel)
+        with tel.outcome_span(headers, job_id="job-1", attempt=1, outcome="ok") as outcome:
+            pass
+        with tel.tick_span("mail") as second:
+            pass
+    finally:
+        tel.shutdown(timeout_seconds=2)
+    for span in (tick, publish, outcome, second):
+        assert not span.is_recording()
+        assert span.get_span_context().is_valid
+    tick_ctx, publish_ctx = tick.get_span_context(), publish.get_span_context()
+    assert publish_ctx.trace_id == tick_ctx.trace_id
+    assert publish_ctx.span_id != tick_ctx.span_id
+    assert headers["traceparent"] == (
+        f"00-{publish_ctx.trace_id:032x}-{publish_ctx.span_id:016x}-01"  # sampled, as before
+    )
+    assert outcome.get_span_context().trace_id == publish_ctx.trace_id
+    assert second.get_span_context().trace_id != tick_ctx.trace_id  # a root: a new trace
+    [line] = [json.loads(x) for x in stream.getvalue().splitlines() if "tick_completed" in x]
+    assert line["trace_id"] == f"{tick_ctx.trace_id:032x}"
+    assert line["span_id"] == f"{tick_ctx.span_id:016x}"
+
+
+def test_an_exporter_records_every_span(monkeypatch: pytest.MonkeyPatch) -> None:
+    _without_otel_env(monkeypatch)
+    exporter = InMemorySpanExporter()
+    tel = setup_telemetry(
+        "pacerd", "info", "json", log_stream=io.StringIO(), span_exporter=exporter
+    )
+    try:
+        assert tel.record_spans
+        with tel.tick_span("mail") as tick:
+            assert tick.is_recording()
+    finally:
+        tel.shutdown(timeout_seconds=2)
+    assert [span.name for span in exporter.get_finished_spans()] == [SPAN_TICK]
+
+
+def test_forgetting_a_destination_keeps_the_others_and_the_kept_gauges() -> None:
+    latest = tm.LatestValues()
+    for destination in ("a", "b"):
+        latest.set(tm.METRIC_RATE, 1.0, {"destination": destination})
+        latest.set(tm.METRIC_PAUSED, 0, {"destination": destination, "scope": "ledger"})
+        latest.set(tm.METRIC_DEAD, 2, {"destination": destination})
+    latest.set(tm.METRIC_BUILD_INFO, 1, {"version": "x"})
+    latest.discard(tm.METRIC_RATE, {"destination": "a"})
+    latest.forget("a", keep=[tm.METRIC_DEAD])
+    assert latest.collect(tm.METRIC_RATE) == {(("destination", "b"),): 1.0}
+    assert latest.collect(tm.METRIC_PAUSED) == {(("destination", "b"), ("scope", "ledger")): 0}
+    assert latest.collect(tm.METRIC_DEAD) == {
+        (("destination", "a"),): 2,
+        (("destination", "b"),): 2,
+    }
+    assert latest.destinations() == 2  # a still has a kept series
+    latest.forget("a")
+    assert latest.collect(tm.METRIC_DEAD) == {(("destination", "b"),): 2}
+    assert latest.collect(tm.METRIC_BUILD_INFO) == {(("version", "x"),): 1}
+    assert latest.destinations() == 1
+
+
 def test_explicit_otlp_exporter_is_kept_without_an_endpoint(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
