@@ -67,6 +67,7 @@ import asyncio
 import contextlib
 import http.client
 import json
+import logging
 import math
 import os
 import queue
@@ -605,6 +606,10 @@ def run_sim(plan: Plan, seed: int) -> Trace:
             sys.path.insert(0, folder)
     import simdriver
     import simlib
+    import structlog
+
+    # the simulated admission logs as the daemon does; only its warnings here
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
     from pacerd.pacer import PacingParams
 
