@@ -18,6 +18,7 @@ the hooks); ``results`` waits for a scenario's files.
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 import os
 import shutil
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+import structlog
 from scenarios import measure
 
 if TYPE_CHECKING:
@@ -119,7 +121,10 @@ def stop(config: pytest.Config) -> None:
 
 
 def _lowest_priority() -> None:
+    """A pool process: niced, and the admission it runs logs warnings only
+    (its debug events would fill the test run's output)."""
     os.nice(19)
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
 
 def _file_name(name: str, seed: int) -> str:
