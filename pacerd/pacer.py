@@ -508,16 +508,27 @@ def brake(state: PacerState, window: OutcomeWindow, params: PacingParams) -> Pac
     sent = state.rate
     est = max(p.min_rate, sent * share)
     rate = min(sent, max(est * (1.0 - p.decrease_margin), p.decrease_factor * sent))
-    return replace(
+    return _new_episode(
         state,
         rate=_clamp(rate, p),
         ceiling=est * (1.0 - p.decrease_margin),
         firm=True,
-        epoch=state.epoch + 1,
-        episode=True,
         heavy=False,
         cut_from=sent,
         cut_bound=est,
+        hold_s=0.0,
+        braked=True,
+    )
+
+
+def _new_episode(state: PacerState, **cut: float | bool) -> PacerState:
+    """``state`` after a cut (``cut``: its rate, ceiling and kind): a new
+    epoch awaiting its first fresh outcomes, the evidence gathered under the
+    old one forgotten."""
+    return replace(
+        state,
+        epoch=state.epoch + 1,
+        episode=True,
         stale_accepted=0,
         stale_outcomes=0,
         saved=0.0,
@@ -525,10 +536,9 @@ def brake(state: PacerState, window: OutcomeWindow, params: PacingParams) -> Pac
         ladder=0.0,
         since_cut_s=0.0,
         clean_s=0.0,
-        hold_s=0.0,
-        braked=True,
         acc_refused=0.0,
         acc_outcomes=0.0,
+        **cut,  # type: ignore[arg-type]
     )
 
 
@@ -556,26 +566,15 @@ def _cut(
         est = max(est, min(sent, state.delivered, accepted_rate))
     target = p.decrease_factor * state.rate if heavy else est * (1.0 - p.decrease_margin)
     rate = min(state.rate, max(target, p.decrease_factor * state.rate))
-    return replace(
+    return _new_episode(
         state,
         rate=_clamp(rate, p),
         ceiling=est if heavy else est * (1.0 - p.decrease_margin),
         firm=not heavy,
-        epoch=state.epoch + 1,
-        episode=True,
         heavy=heavy,
         cut_from=sent,
         cut_bound=est,
-        stale_accepted=0,
-        stale_outcomes=0,
-        saved=0.0,
-        surplus=0.0,
-        ladder=0.0,
-        since_cut_s=0.0,
-        clean_s=0.0,
         braked=False,
-        acc_refused=0.0,
-        acc_outcomes=0.0,
     )
 
 
