@@ -64,9 +64,9 @@ CLAIM_CHUNK = 1000
 # release slice (at most ~50 PK reads a second while the tick publishes): a
 # Retry-After reported mid-tick stops the releases at the next slice.
 CLOSED_CHECK_SECONDS = 0.019
-# A tick whose budget is at least pacer.BRAKE_MIN_BUDGET reads its own fresh
-# outcome counters at most this often while it releases (pacer.brake): a
-# rate far over the capacity is cut within the tick, not a tick later.
+# A slow-start tick whose budget is at least pacer.BRAKE_MIN_BUDGET reads its
+# own fresh outcome counters at most this often while it releases
+# (pacer.brake): its overshoot is cut within the tick, not a tick later.
 BRAKE_CHECK_SECONDS = 0.05
 # After a tick lost the broker or timed out on confirms, admission skips ticks
 # for a backoff (doubling up to the maximum), then probes with one job: a
@@ -562,8 +562,11 @@ class DestinationAdmission:
 
         slices = on_grid(offsets, 0)
         span = plan.spacing_seconds * max(plan.budget, 1)  # the tick's releases end by then
-        # the last reading before any fresh refusal of the tick (None: not watched)
-        clean = self._previous_row if plan.budget >= pacer.BRAKE_MIN_BUDGET else None
+        # the last reading before any fresh refusal of the tick (None: not
+        # watched: past slow start, or a budget too small to tell)
+        assert self.state is not None
+        watched = plan.budget >= pacer.BRAKE_MIN_BUDGET and pacer.watches(self.state)
+        clean = self._previous_row if watched else None
         next_brake = started + BRAKE_CHECK_SECONDS
         next_check = started  # the first release looks: the claim and the shift took time
         room = _Room(MAX_UNCONFIRMED)
@@ -615,6 +618,8 @@ class DestinationAdmission:
                             claims = await self._claim_again(claims, sent, n, live)
                             sent, i = 0, 0
                             slices = on_grid([done + k * (span - done) / n for k in range(n)], 0)
+                            if not pacer.watches(self.state):
+                                clean = None  # slow start is over: nothing more to hear
                             continue
                     await room.take(len(group))
                     sent += len(group)

@@ -489,6 +489,11 @@ def update_rate(
     return _grow(state, dt, accepted_rate, p)
 
 
+def watches(state: PacerState) -> bool:
+    """Whether a tick in ``state`` may be braked mid-tick (slow start, open)."""
+    return state.ceiling is None and not state.cooling
+
+
 def brake(state: PacerState, window: OutcomeWindow, params: PacingParams) -> PacerState | None:
     """Mid-tick: the state after the fresh outcomes heard since the tick
     began (``window``), or None when they do not call for a cut before the
@@ -498,7 +503,7 @@ def brake(state: PacerState, window: OutcomeWindow, params: PacingParams) -> Pac
     p = params
     refused = window.refused_fresh
     outcomes = window.accepted_fresh + refused
-    if state.ceiling is not None or state.cooling:
+    if not watches(state):
         return None  # past slow start: the tick's own step
     if refused < max(1, BRAKE_MIN_FACTOR * p.refusal_min_count):
         return None

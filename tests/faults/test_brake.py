@@ -18,11 +18,11 @@ from pacerd.admission import AdmissionConfig, DestinationAdmission, TickResult
 from pacerd.pacer import PacingParams
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
 
     import pytest
 
-    from pacerd.models import ClaimedJob
+    from pacerd.models import ClaimedJob, DestinationRow
 
 CALL_SECONDS = 0.03  # from a publish to its outcome in the ledger
 
@@ -55,10 +55,28 @@ class Bucket:
             await self.clock.sleep(0.005)
 
 
-async def _tick(rate: float, capacity: float) -> tuple[TickResult, FakeLedger, Bucket, float]:
+class ReadCounting(FakeLedger):
+    """Counts the destination reads (not the release slices' closed checks)."""
+
+    reads = 0
+
+    async def read_destination(self, destination: str) -> DestinationRow | None:
+        self.reads += 1
+        return await super().read_destination(destination)
+
+    async def is_closed(self, destination: str) -> bool:
+        row = await FakeLedger.read_destination(self, destination)
+        return row is not None and row.closed
+
+
+async def _tick(
+    rate: float, capacity: float, *, pacer_state: Mapping[str, object] | None = None
+) -> tuple[TickResult, ReadCounting, Bucket, float]:
     clock = VirtualClock()
-    ledger = FakeLedger(clock)
+    ledger = ReadCounting(clock)
     ledger.add_destination("d", overdue=None)
+    if pacer_state is not None:
+        await ledger.save_pacer_state("d", {"pacer": pacer_state}, epoch=0)
     bucket = Bucket(clock, ledger, capacity)
     params = PacingParams(tick_seconds=1.0, initial_rate=rate, max_rate=10_000.0)
     admission = DestinationAdmission(
@@ -99,3 +117,13 @@ async def test_without_the_brake_the_tick_refuses_its_whole_excess(
     assert rate == 200.0  # the tick's own step comes only at the next tick
     assert sum(not ok for _, ok in bucket.calls) >= 70
     assert result.released == 0
+
+
+async def test_past_slow_start_a_tick_reads_nothing_while_it_releases() -> None:
+    # a rate held at its measured ceiling: the tick's own step decides, and
+    # the tick sends no mid-tick read (one read: the tick's own, at its start)
+    state = {"rate": 90.0, "ceiling": 90.0, "epoch": 0}
+    _, ledger, _, _ = await _tick(rate=90.0, capacity=100.0, pacer_state=state)
+    assert ledger.reads == 1
+    _, ledger, _, _ = await _tick(rate=90.0, capacity=100.0)  # slow start: watched
+    assert ledger.reads > 1
