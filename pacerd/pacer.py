@@ -77,6 +77,13 @@ The law, per destination:
   test alone takes ten round trips or more to say so. A ladder's step never
   exceeds ``LADDER_MAX`` of the rate: a probe overshoots by about its last
   step, a round trip before its refusals come back.
+- **Peak.** A heavy cut remembers the rate it fell from (``peak``, fading
+  with a time constant of ``PEAK_S`` of real time). A ceiling well under it
+  (under ``PEAK_GAP`` of it) is a capacity that fell and may come back at any
+  moment: the ladder probes after ``PEAK_PROBE_RTTS`` clean round trips, with
+  steps up to ``PEAK_LADDER_MAX`` of the rate while the rate is that far
+  under the peak (CUBIC's idea: regain the last maximum fast, probe carefully
+  near it). A probe down there costs little: its overshoot is of a small rate.
 - **Retry-After.** The destination is closed until it passes (the ledger holds
   the deadline, ``cooldown_remaining_s``); the ceiling is remembered from the
   delivered rate; on reopening the rate is ``ceiling_resume_fraction`` of it and
@@ -141,6 +148,10 @@ ACCUMULATE_S = 4.0  # time constant over which refusals under the threshold add 
 BRAKE_MIN_FACTOR = 2  # a mid-tick brake needs this many x refusal_min_count fresh refusals
 BRAKE_RATIO = 0.1  # ... making at least this share of the fresh outcomes heard mid-tick
 BRAKE_MIN_BUDGET = 10  # ticks with a smaller budget are not watched mid-tick (too few outcomes)
+PEAK_S = 30.0  # time constant over which the rate before a heavy cut (the peak) is forgotten
+PEAK_GAP = 0.7  # a firm ceiling under this share of the peak: the capacity may come back
+PEAK_PROBE_RTTS = 2.0  # ... so the ladder probes after this many clean round trips
+PEAK_LADDER_MAX = 0.5  # ... with steps up to this share of the rate while under the peak
 _MONOTONIC = ("last_tick", "deadline")  # never persisted
 
 
@@ -236,6 +247,7 @@ class PacerState:
     braked: bool = False  # the last cut was a brake's (mid-tick)
     acc_refused: float = 0.0  # fresh refusals under the threshold, decayed (ACCUMULATE_S)
     acc_outcomes: float = 0.0  # ... and the fresh outcomes they were among
+    peak: float = 0.0  # the rate before the last heavy cut, fading (PEAK_S)
 
     def to_dict(self) -> dict[str, float | int | bool | None]:
         """JSON-able, without the monotonic timestamps (not portable across hosts)."""
@@ -377,6 +389,8 @@ def update_rate(
         state = replace(state, delivered=state.delivered + w * (accepted_rate - state.delivered))
     state = replace(
         state,
+        # by the time really gone (a parked destination's drop is old news)
+        peak=state.peak * math.exp(-max(0.0, now - state.last_tick) / PEAK_S),
         since_cut_s=state.since_cut_s + dt,
         hold_s=state.hold_s if state.cooling else max(0.0, state.hold_s - dt),
     )
@@ -573,6 +587,7 @@ def _cut(
     rate = min(state.rate, max(target, p.decrease_factor * state.rate))
     return _new_episode(
         state,
+        peak=max(state.peak, sent) if heavy else state.peak,
         rate=_clamp(rate, p),
         ceiling=est if heavy else est * (1.0 - p.decrease_margin),
         firm=not heavy,
@@ -646,12 +661,16 @@ def _grow(state: PacerState, dt: float, accepted_rate: float, p: PacingParams) -
     ladder, clean = state.ladder, state.clean_s
     if state.firm and rate >= c and state.hold_s <= 0:
         clean += dt
+    # well under the rate of a recent drop, the capacity may come back at any
+    # time: probe sooner and in larger steps (a probe there costs little)
+    probe_rtts = PEAK_PROBE_RTTS if c < PEAK_GAP * state.peak else PROBE_RTTS
+    top = PEAK_LADDER_MAX if rate < PEAK_GAP * state.peak else LADDER_MAX
     if state.hold_s > 0:
         pass  # after a Retry-After: stay just under the remembered ceiling
     elif ladder > 0:  # capped: a probe overshoots by its last step
-        ladder = min(ladder * 2.0 ** (dt / rtt), LADDER_MAX * rate)
-        rate += min(ladder * dt / rtt, LADDER_MAX * rate)
-    elif (state.firm and rate >= c and clean >= PROBE_RTTS * rtt) or (
+        ladder = min(ladder * 2.0 ** (dt / rtt), top * rate)
+        rate += min(ladder * dt / rtt, top * rate)
+    elif (state.firm and rate >= c and clean >= probe_rtts * rtt) or (
         state.surplus > state.saved + 2.0 * slack
         and rate > c * (1.0 if state.firm else SOFT_FACTOR)
     ):

@@ -748,3 +748,59 @@ def test_a_destination_joins_the_schedule_with_at_least_half_a_tick(
     carried = pacer.join_schedule(2.0, now, 1.0)
     assert carried == pytest.approx(deadline)
     assert pacer.next_deadline(carried, now, 1.0) == pytest.approx(first_end)
+
+
+def _clean_ticks_until_probe(state: PacerState, ticks: int) -> tuple[PacerState, list[float]]:
+    """``ticks`` clean, full-demand ticks at the rate: the rate's step each tick."""
+    steps = []
+    for _ in range(ticks):
+        before = state.rate
+        window = OutcomeWindow(accepted=round(before), accepted_fresh=round(before))
+        state, _ = run(state, window, full(round(before)))
+        steps.append(state.rate - before)
+    return state, steps
+
+
+def test_well_under_the_rate_of_a_recent_heavy_cut_the_ladder_probes_sooner_and_wider() -> None:
+    # the capacity fell from 100/s to 30/s: a heavy cut remembers the rate it fell from
+    window = OutcomeWindow(accepted=30, refused=70, accepted_fresh=30, refused_fresh=70)
+    cut, _ = run(at_ceiling(rate=100.0), window, full(100))
+    assert cut.heavy
+    assert cut.peak == pytest.approx(100.0)
+    # settled at a firm ceiling of 30/s (as the refinement and a mild cut leave it)
+    settled = replace(cut, rate=30.0, ceiling=30.0, firm=True, heavy=False, episode=False)
+    ticks = int(pacer.PEAK_PROBE_RTTS) + 4
+    after_drop, steps = _clean_ticks_until_probe(settled, ticks)
+    # far under the peak, the capacity may come back at any time: the probe
+    # starts after PEAK_PROBE_RTTS clean round trips, not PROBE_RTTS ...
+    assert after_drop.ladder > 0
+    assert int(pacer.PEAK_PROBE_RTTS) < int(pacer.PROBE_RTTS)
+    # ... and its steps may reach PEAK_LADDER_MAX of the rate (LADDER_MAX elsewhere)
+    long_ladder = replace(after_drop, ladder=100.0)
+    stepped, _ = _clean_ticks_until_probe(long_ladder, 1)
+    assert stepped.rate == pytest.approx(long_ladder.rate * (1 + pacer.PEAK_LADDER_MAX))
+    # the same ceiling with no drop behind it waits PROBE_RTTS, in LADDER_MAX steps
+    plain, plain_steps = _clean_ticks_until_probe(replace(settled, peak=0.0), ticks)
+    assert plain.ladder == 0.0
+    assert plain_steps == pytest.approx([P.increase_step] * ticks)
+    plain_ladder, _ = _clean_ticks_until_probe(replace(plain, ladder=100.0), 1)
+    assert plain_ladder.rate == pytest.approx(plain.rate * (1 + pacer.LADDER_MAX))
+    assert steps[: int(pacer.PEAK_PROBE_RTTS) - 1] == pytest.approx(
+        [P.increase_step] * (int(pacer.PEAK_PROBE_RTTS) - 1)
+    )
+
+
+def test_the_peak_of_a_drop_fades_and_survives_a_leader_change() -> None:
+    window = OutcomeWindow(accepted=30, refused=70, accepted_fresh=30, refused_fresh=70)
+    cut, _ = run(at_ceiling(rate=100.0), window, full(100))
+    resumed = PacerState.from_dict(json.loads(json.dumps(cut.to_dict())), now=T0, params=P)
+    assert resumed.peak == pytest.approx(100.0)
+    # PEAK_S later the peak is down to 1/e of itself: an old drop says little
+    later, _ = run(resumed, EMPTY, Demand(budget=0), dt=pacer.PEAK_S)
+    assert later.peak == pytest.approx(100.0 / math.e, rel=1e-6)
+    # a mild cut (a probe's) keeps the peak, only faded by its tick
+    mild = OutcomeWindow(accepted=97, refused=3, accepted_fresh=97, refused_fresh=3)
+    probed, _ = run(replace(at_ceiling(rate=100.0), peak=80.0), mild, full(100))
+    assert probed.epoch == 8
+    assert not probed.heavy
+    assert probed.peak == pytest.approx(80.0 * math.exp(-1.0 / pacer.PEAK_S))
