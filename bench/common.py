@@ -153,6 +153,19 @@ def ensure_vhost(url: str) -> bool:
     return True
 
 
+def delete_vhost(url: str) -> None:
+    """Deletes the URL's virtual host with rabbitmqctl, if it can (a cleanup)."""
+    vhost = urlsplit(url).path.lstrip("/")
+    if vhost:
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            subprocess.run(
+                ["rabbitmqctl", "-q", "delete_vhost", vhost],
+                capture_output=True,
+                timeout=60,
+                check=False,
+            )
+
+
 @contextlib.asynccontextmanager
 async def amqp_channel(url: str = AMQP_URL) -> AsyncIterator[aiormq.abc.AbstractChannel]:
     try:

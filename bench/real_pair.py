@@ -27,16 +27,18 @@ import argparse
 import asyncio
 import json
 import math
-import subprocess
 import time
-from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
 from bench import common
 from bench import real_scenarios as rs
+
+if TYPE_CHECKING:
+    import subprocess
 
 CAPACITY = 100.0
 INITIAL_RATE = 10.0
@@ -65,6 +67,14 @@ def fairness(per_second: list[list[int]], start: int) -> dict[str, float]:
         "jain_min_late": min(late, default=math.nan),
         "jain_last": index[-1] if index else math.nan,
     }
+
+
+async def execute(dsn: str, query: str, *args: object) -> None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(query, *args)
+    finally:
+        await conn.close()
 
 
 async def completions(dsn: str, t0: float, seconds: int) -> list[int]:
@@ -98,9 +108,9 @@ async def measure(gap: float, duration: float) -> dict[str, object]:
             dsns[s] = dsn = await common.fresh_ledger(f"{rs.DB}_{s}")
             await common.reset_queues(urls[s])
             await common.seed(dsn, int(CAPACITY * duration), prefix=s)
+            await execute(dsn, "SELECT pacerd.pause($1)", common.DESTINATION)
             conn = await asyncpg.connect(dsn)
             try:
-                await conn.execute("SELECT pacerd.pause($1)", common.DESTINATION)
                 env = rs.pacerd_env(dsn, plan, up.url) | {
                     "PACERD_BROKER__URL": urls[s],
                     "PACERD_DAEMON__INSTANCE_NAME": f"bench-pair-{s}",
@@ -116,16 +126,12 @@ async def measure(gap: float, duration: float) -> dict[str, object]:
         t0 = time.time()
         for s, delay in zip(SENDERS, (0.0, gap), strict=True):
             await asyncio.sleep(max(0.0, t0 + delay - time.time()))
-            conn = await asyncpg.connect(dsns[s])
-            try:
-                await conn.execute("SELECT pacerd.resume($1)", common.DESTINATION)
-            finally:
-                await conn.close()
+            await execute(dsns[s], "SELECT pacerd.resume($1)", common.DESTINATION)
         await asyncio.sleep(max(0.0, t0 + duration - time.time()))
         seconds = int(duration)
         per_second = [await completions(dsns[s], t0, seconds) for s in SENDERS]
         tr = await asyncio.to_thread(rs.trace_from, up, t0, duration)
-        m = rs.metrics(replace(plan, name="pair"), tr)
+        m = rs.metrics(plan, tr)
         return {
             **fairness(per_second, int(gap)),
             "util": m["util"],
@@ -137,12 +143,7 @@ async def measure(gap: float, duration: float) -> dict[str, object]:
         await asyncio.to_thread(up.close)
         for s in SENDERS:
             await common.drop_database(f"{rs.DB}_{s}")
-            await asyncio.to_thread(
-                subprocess.run,
-                ["rabbitmqctl", "-q", "delete_vhost", urlsplit(urls[s]).path.lstrip("/")],
-                capture_output=True,
-                check=False,
-            )
+            await asyncio.to_thread(common.delete_vhost, urls[s])
 
 
 def main() -> None:

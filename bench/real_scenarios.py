@@ -675,12 +675,7 @@ async def measure(args: argparse.Namespace) -> str:
                 rows.append([plan.key, who, *(m.get(c, math.nan) for c in COLUMNS), load])
     finally:
         await common.drop_database(DB)
-        await asyncio.to_thread(
-            subprocess.run,
-            ["rabbitmqctl", "-q", "delete_vhost", VHOST],
-            capture_output=True,
-            check=False,
-        )
+        await asyncio.to_thread(common.delete_vhost, AMQP_URL)
     if args.json:
         text = json.dumps(results, indent=1, default=str)
         await asyncio.to_thread(Path(args.json).write_text, text)
