@@ -137,33 +137,30 @@ async def state_counts(dsn: str) -> dict[str, int]:
         await conn.close()
 
 
+def rabbitmqctl(*args: str) -> bool:
+    """Runs ``rabbitmqctl -q ARGS``; whether it ran and succeeded."""
+    try:
+        done = subprocess.run(["rabbitmqctl", "-q", *args], capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
 def ensure_vhost(url: str) -> bool:
     """Creates the URL's virtual host (guest may use it) with rabbitmqctl;
-    False when that is not possible here."""
+    False when that is not possible here (a vhost that exists already is kept)."""
     vhost = urlsplit(url).path.lstrip("/")
     if not vhost:
         return False
-    for args in (["add_vhost", vhost], ["set_permissions", "-p", vhost, "guest", ".*", ".*", ".*"]):
-        try:
-            subprocess.run(
-                ["rabbitmqctl", "-q", *args], capture_output=True, timeout=60, check=False
-            )
-        except (OSError, subprocess.TimeoutExpired):
-            return False
-    return True
+    rabbitmqctl("add_vhost", vhost)  # fails when it exists: the permissions decide
+    return rabbitmqctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
 
 
 def delete_vhost(url: str) -> None:
     """Deletes the URL's virtual host with rabbitmqctl, if it can (a cleanup)."""
     vhost = urlsplit(url).path.lstrip("/")
     if vhost:
-        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-            subprocess.run(
-                ["rabbitmqctl", "-q", "delete_vhost", vhost],
-                capture_output=True,
-                timeout=60,
-                check=False,
-            )
+        rabbitmqctl("delete_vhost", vhost)
 
 
 @contextlib.asynccontextmanager

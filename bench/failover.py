@@ -28,7 +28,6 @@ import datetime as dt
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import uuid
@@ -59,14 +58,6 @@ from pacerd import ledger
 
 ADMIN_DSN = os.environ.get("PACERD_BENCH_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
 AMQP_URL = os.environ.get("PACERD_BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
-
-
-def _rabbitmqctl(*args: str) -> bool:
-    try:
-        done = subprocess.run(["rabbitmqctl", "-q", *args], capture_output=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return done.returncode == 0
 
 
 async def _admin(sql: str) -> None:
@@ -116,8 +107,8 @@ async def run(args: argparse.Namespace) -> int:
     dsn = common.dsn_for(database, ADMIN_DSN)
     vhost = f"pacerd-failover-{tag}"
     amqp_url = AMQP_URL
-    if _rabbitmqctl("add_vhost", vhost):
-        _rabbitmqctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
+    if common.rabbitmqctl("add_vhost", vhost):
+        common.rabbitmqctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
         amqp_url = urlunsplit(urlsplit(AMQP_URL)._replace(path=f"/{vhost}"))
     await _admin(f'CREATE DATABASE "{database}"')
     destination = f"busy-{tag}"
@@ -171,7 +162,7 @@ async def run(args: argparse.Namespace) -> int:
     finally:
         await _admin(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
         if amqp_url != AMQP_URL:
-            _rabbitmqctl("delete_vhost", vhost)
+            common.rabbitmqctl("delete_vhost", vhost)
 
     return report(rows, groups, ticks, tick=tick, rate=args.rate)
 

@@ -299,14 +299,6 @@ def load_average() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
-def _rabbitmqctl(*args: str) -> bool:
-    try:
-        done = subprocess.run(["rabbitmqctl", "-q", *args], capture_output=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return done.returncode == 0
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -1410,10 +1402,10 @@ async def measure(args: argparse.Namespace) -> Run:
     if url is None:
         vhost = f"pacerd-bench-fanout-{tag}"
         if not (
-            _rabbitmqctl("add_vhost", vhost)
-            and _rabbitmqctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
+            common.rabbitmqctl("add_vhost", vhost)
+            and common.rabbitmqctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
         ):
-            _rabbitmqctl("delete_vhost", vhost)
+            common.rabbitmqctl("delete_vhost", vhost)
             raise SystemExit(
                 f"cannot create the RabbitMQ vhost {vhost} (rabbitmqctl);"
                 " pass --amqp-url with a vhost of your own"
@@ -1439,7 +1431,7 @@ async def measure(args: argparse.Namespace) -> Run:
         finally:
             if vhost is not None:
                 await delete_queues(url, OWN_QUEUES)
-                _rabbitmqctl("delete_vhost", vhost)
+                common.rabbitmqctl("delete_vhost", vhost)
             else:
                 await delete_queues(url, [q for q in OWN_QUEUES if q not in run.preexisting_queues])
         return run
