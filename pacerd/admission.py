@@ -78,13 +78,17 @@ BROKER_BACKOFF_MAX_SECONDS = 8.0
 class AdmissionLedger(Protocol):
     """The ledger operations a tick needs (``ledger.Ledger`` and fakes)."""
 
-    async def read_destination(self, destination: str) -> DestinationRow | None: ...
+    async def read_destination(
+        self, destination: str, *, inflight: bool = False
+    ) -> DestinationRow | None:
+        """The destination's shared state and counters (None: unknown); with
+        ``inflight``, its claimed and offered jobs counted with them (the
+        row's ``inflight``), as a tick's plan needs both."""
+        ...
 
     async def is_closed(self, destination: str) -> bool:
         """Paused or in a cool-down now (a release slice's check)."""
         ...
-
-    async def count_inflight(self, destination: str) -> int: ...
 
     async def claim_due(
         self,
@@ -396,9 +400,12 @@ class DestinationAdmission:
             self._broker_backoff, self._broker_retry_at = 0.0, None
         now = self.clock.monotonic()
         self.next_deadline = None
-        row = await self.ledger.read_destination(dest)
+        row = await self.ledger.read_destination(dest, inflight=True)
         if row is None:
             return TickResult(destination=dest, skipped="unknown")
+        if row.inflight is None:
+            raise LedgerError(f"{dest}: the ledger read no in-flight count")
+        inflight = row.inflight
         if self.state is not None:
             state = self.state
         else:
@@ -417,7 +424,6 @@ class DestinationAdmission:
             skipped = "paused"
         elif self._broker_retry_at is not None and now < self._broker_retry_at:
             skipped = "broker_down"
-        inflight = await self.ledger.count_inflight(dest)
         state, plan = self.law(
             state,
             window,

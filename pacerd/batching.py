@@ -289,10 +289,12 @@ class SharedLedger:
                 on_abandoned=on_abandoned,
             )  # fmt: skip
 
-        # Read, count and claim are on the way to a tick's first release: they
-        # go as soon as everyone ready has asked; the rest may wait a little.
+        # A tick's read (its row and in-flight count together) and its claim
+        # are on the way to its first release: they go as soon as everyone
+        # ready has asked; the rest may wait a little. A brake reads the row
+        # alone, mid-tick.
+        self._read_tick = shared("read_destination_inflight", self._read_tick_many)
         self._read = shared("read_destination", self._read_many)
-        self._inflight = shared("count_inflight", self._inflight_many)
         self._claim = shared("claim_due", self._claim_many, on_abandoned=self._release_abandoned)
         self._mark = shared("mark_offered", self._mark_many, lazy=True)
         self._release = shared("release_claims", self._release_many, lazy=True)
@@ -305,11 +307,10 @@ class SharedLedger:
 
     # -- AdmissionLedger -----------------------------------------------------------
 
-    async def read_destination(self, destination: str) -> DestinationRow | None:
-        return await self._read(destination)
-
-    async def count_inflight(self, destination: str) -> int:
-        return await self._inflight(destination)
+    async def read_destination(
+        self, destination: str, *, inflight: bool = False
+    ) -> DestinationRow | None:
+        return await (self._read_tick if inflight else self._read)(destination)
 
     async def claim_due(
         self,
@@ -366,13 +367,14 @@ class SharedLedger:
         parked = await self.ledger.park_destinations(names)
         return [n in parked for n in names]
 
-    async def _read_many(self, names: list[str]) -> list[DestinationRow | None]:
-        rows = await self.ledger.read_destinations(sorted(set(names)))
+    async def _read_many(
+        self, names: list[str], *, inflight: bool = False
+    ) -> list[DestinationRow | None]:
+        rows = await self.ledger.read_destinations(sorted(set(names)), inflight=inflight)
         return [rows.get(n) for n in names]
 
-    async def _inflight_many(self, names: list[str]) -> list[int]:
-        counts = await self.ledger.count_inflight_many(sorted(set(names)))
-        return [counts.get(n, 0) for n in names]
+    async def _read_tick_many(self, names: list[str]) -> list[DestinationRow | None]:
+        return await self._read_many(names, inflight=True)
 
     async def _claim_many(self, claims: list[_Claim]) -> list[list[ClaimedJob]]:
         by_instance: dict[str, list[ClaimRequest]] = {}

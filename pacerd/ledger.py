@@ -304,6 +304,7 @@ def _destination_row(r: asyncpg.Record) -> DestinationRow:
         leader=r["leader"],
         leader_since=r["leader_since"],
         now=r["now"],
+        inflight=r.get("inflight"),
     )
 
 
@@ -448,14 +449,6 @@ class Ledger:
             for r in rows
         ]
 
-    async def count_inflight(self, destination: str) -> int:
-        return (await self.count_inflight_many([destination])).get(destination, 0)
-
-    async def count_inflight_many(self, destinations: Sequence[str]) -> dict[str, int]:
-        """Claimed and offered jobs per destination (absent: none)."""
-        rows = await self._fetch("count_inflight", list(destinations))
-        return {r["destination"]: int(r["inflight"]) for r in rows}
-
     async def oldest_due(
         self, destination: str, now: dt.datetime | None = None
     ) -> dt.datetime | None:
@@ -474,14 +467,21 @@ class Ledger:
         return [_destination_row(r) for r in await self._fetch("list_destinations", now)]
 
     async def read_destination(
-        self, destination: str, now: dt.datetime | None = None
+        self, destination: str, now: dt.datetime | None = None, *, inflight: bool = False
     ) -> DestinationRow | None:
-        return (await self.read_destinations([destination], now)).get(destination)
+        rows = await self.read_destinations([destination], now, inflight=inflight)
+        return rows.get(destination)
 
     async def read_destinations(
-        self, destinations: Sequence[str], now: dt.datetime | None = None
+        self,
+        destinations: Sequence[str],
+        now: dt.datetime | None = None,
+        *,
+        inflight: bool = False,
     ) -> dict[str, DestinationRow]:
-        rows = await self._fetch("read_destination", list(destinations), now)
+        """The rows of ``destinations`` (absent: unknown); with ``inflight``,
+        each with its claimed and offered jobs counted in the same statement."""
+        rows = await self._fetch("read_destination", list(destinations), now, inflight)
         return {r["destination"]: _destination_row(r) for r in rows}
 
     async def closed_destinations(self, now: dt.datetime | None = None) -> frozenset[str]:

@@ -120,6 +120,9 @@ class DestinationRow:
     leader: str | None
     leader_since: dt.datetime | None
     now: dt.datetime
+    # Its claimed and offered jobs, when read with the row (the top of a
+    # tick: ``read_destination(..., inflight=True)``); None when not asked for.
+    inflight: int | None = None
 
     @property
     def effectively_paused(self) -> bool:

@@ -211,13 +211,6 @@ WITH expired AS (
 )
 SELECT job_id, attempt, destination, previous_state, state FROM reclaimed;
 
--- name: count_inflight
--- Counts the claimed and offered jobs of each destination of $1 (each bounded by its max_inflight).
-SELECT j.destination, count(*) AS inflight
-FROM pacerd.jobs j
-WHERE j.destination = ANY ($1::text[]) AND j.state IN ('claimed', 'offered')
-GROUP BY j.destination;
-
 -- name: oldest_due
 -- The next_attempt_at of the oldest due job of one destination (an index lookup).
 SELECT min(next_attempt_at) AS oldest_due_at
@@ -245,11 +238,15 @@ LEFT JOIN pacerd.partitions p ON p.partition = d.partition
 ORDER BY d.destination;
 
 -- name: read_destination
--- The shared state and outcome counters of each destination of $1, read at the top of a tick and before release slices.
+-- The shared state and outcome counters of each destination of $1, read at the top of a tick and before release slices; with $3, its claimed and offered jobs too (counted by the in-flight index, each bounded by its max_inflight).
 SELECT d.destination, d.paused, c.paused_all, d.cooldown_until, d.epoch,
        d.pacer_state::text AS pacer_state, d.n_accepted, d.n_refused, d.n_accepted_fresh,
        d.n_refused_fresh, d.n_retry_after, p.leader, p.leader_since,
-       coalesce($2::timestamptz, now()) AS now
+       coalesce($2::timestamptz, now()) AS now,
+       CASE WHEN $3::boolean THEN
+           (SELECT count(*) FROM pacerd.jobs j
+            WHERE j.destination = d.destination AND j.state IN ('claimed', 'offered'))
+       END AS inflight
 FROM pacerd.destinations d CROSS JOIN pacerd.control c
 LEFT JOIN pacerd.partitions p ON p.partition = d.partition
 WHERE d.destination = ANY ($1::text[]);

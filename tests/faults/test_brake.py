@@ -60,9 +60,11 @@ class ReadCounting(FakeLedger):
 
     reads = 0
 
-    async def read_destination(self, destination: str) -> DestinationRow | None:
+    async def read_destination(
+        self, destination: str, *, inflight: bool = False
+    ) -> DestinationRow | None:
         self.reads += 1
-        return await super().read_destination(destination)
+        return await super().read_destination(destination, inflight=inflight)
 
     async def is_closed(self, destination: str) -> bool:
         row = await FakeLedger.read_destination(self, destination)

@@ -44,8 +44,10 @@ class ChunkLedger(SlowLedger):
         self.backlog, self.closes_at, self.fail_on = backlog, closes_at, fail_on
         self.claims: list[tuple[int, int, float]] = []  # (limit, got, finished at)
 
-    async def read_destination(self, destination: str) -> DestinationRow | None:
-        row = await super().read_destination(destination)
+    async def read_destination(
+        self, destination: str, *, inflight: bool = False
+    ) -> DestinationRow | None:
+        row = await super().read_destination(destination, inflight=inflight)
         if (
             row is not None
             and self.closes_at is not None

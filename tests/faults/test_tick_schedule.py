@@ -142,8 +142,10 @@ class FlakyLedger(SlowLedger):
         self.down_from, self.down_until = down_from, down_until
         self.failed_calls = 0
 
-    async def read_destination(self, destination: str) -> DestinationRow | None:
-        row = await super().read_destination(destination)
+    async def read_destination(
+        self, destination: str, *, inflight: bool = False
+    ) -> DestinationRow | None:
+        row = await super().read_destination(destination, inflight=inflight)
         if self.down_from <= self.clock.monotonic() < self.down_until:
             self.failed_calls += 1
             raise LedgerUnavailable("the ledger went away: terminating connection")
@@ -253,8 +255,10 @@ class ClosingLedger(SlowLedger):
         super().__init__(clock, costs)
         self.reads = 0
 
-    async def read_destination(self, destination: str) -> DestinationRow | None:
-        row = await super().read_destination(destination)
+    async def read_destination(
+        self, destination: str, *, inflight: bool = False
+    ) -> DestinationRow | None:
+        row = await super().read_destination(destination, inflight=inflight)
         self.reads += 1
         if self.reads == 1 or row is None:
             return row

@@ -45,7 +45,7 @@ STATEMENTS: dict[str, tuple[tuple[object, ...], set[str]]] = {
     ),
     "oldest_due": (("d", NOW), {"jobs_due_idx"}),
     "has_due": (("d", BATCH, NOW), {"jobs_due_idx"}),
-    "count_inflight": ((["d"],), {"jobs_inflight_idx"}),
+    "read_destination": ((["d"], NOW, True), {"jobs_inflight_idx"}),
     "reclaim_expired": ((NOW, BATCH), {"jobs_lease_idx", "jobs_pkey"}),
 }
 # Scans that find the work: what they touch must not depend on the backlog.
@@ -95,7 +95,9 @@ async def add_backlog(conn: asyncpg.Connection, first: int, count: int, *, days:
 
 
 async def add_fixed_rows(conn: asyncpg.Connection) -> None:
-    """What does not grow with the backlog: live work and expired offers."""
+    """What does not grow with the backlog: live work and expired offers (and
+    the destinations' rows, which a tick's read joins its in-flight count to)."""
+    await conn.execute("INSERT INTO pacerd.destinations (destination) VALUES ('d'), ('e')")
     await conn.execute(
         "INSERT INTO pacerd.jobs (job_id, kind, destination, max_attempts, next_attempt_at,"
         " payload)"

@@ -106,7 +106,9 @@ class SimAdmissionLedger:
         self.destination = destination
         self.live_window_seconds = live_window_seconds
 
-    async def read_destination(self, destination: str) -> DestinationRow | None:
+    async def read_destination(
+        self, destination: str, *, inflight: bool = False
+    ) -> DestinationRow | None:
         if destination != self.destination:
             return None
         led, t = self.ledger, self.time.t
@@ -128,14 +130,12 @@ class SimAdmissionLedger:
             leader=None,
             leader_since=None,
             now=EPOCH_AT + dt.timedelta(seconds=t),
+            inflight=led.inflight if inflight else None,
         )
 
     async def is_closed(self, destination: str) -> bool:
         row = await self.read_destination(destination)
         return row is not None and row.closed
-
-    async def count_inflight(self, destination: str) -> int:
-        return self.ledger.inflight
 
     async def claim_due(
         self,

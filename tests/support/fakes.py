@@ -176,27 +176,27 @@ class FakeLedger:
         if self.price is not None:
             await self.price()
 
-    async def read_destination(self, destination: str) -> DestinationRow | None:
+    async def read_destination(
+        self, destination: str, *, inflight: bool = False
+    ) -> DestinationRow | None:
         await self._io()
         dest = self._destinations.get(destination)
         if dest is None:
             return None
         n = dest.counters
+        count = sum(j.destination == destination and _inflight(j) for j in self._jobs.values())
         return DestinationRow(
             destination=destination, paused=dest.paused, paused_all=False,
             cooldown_until=dest.cooldown_until, epoch=dest.epoch, pacer_state=dest.pacer_state,
             n_accepted=n["accepted"], n_refused=n["refused"],
             n_accepted_fresh=n["accepted_fresh"], n_refused_fresh=n["refused_fresh"],
             n_retry_after=n["retry_after"], leader=None, leader_since=None, now=self.clock.now(),
+            inflight=count if inflight else None,
         )  # fmt: skip
 
     async def is_closed(self, destination: str) -> bool:
         row = await self.read_destination(destination)
         return row is not None and row.closed
-
-    async def count_inflight(self, destination: str) -> int:
-        await self._io()
-        return sum(job.destination == destination and _inflight(job) for job in self._jobs.values())
 
     async def has_due(self, destination: str, *, at_least: int = 1) -> int:
         await self._io()
