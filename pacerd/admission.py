@@ -202,6 +202,8 @@ class _Publishing:
     closed: bool = False
     claimed: int = 0  # every job the tick claimed (a mid-tick cut claims again)
     cut_released: int = 0  # claims a mid-tick cut gave back unsent
+    marking: bool = False  # a mark statement in flight (one at a time)
+    mark_at: float = 0.0  # no mark from a slice before this (MARKS_PER_TICK a tick)
 
 
 class _Room:
@@ -541,7 +543,9 @@ class DestinationAdmission:
         the whole limit while chunks keep coming full. The release points lie
         on a grid shifted every tick (``PHASE_STEP``). Confirmed jobs are
         marked offered up to ``MARKS_PER_TICK`` times a tick, off the release
-        schedule (a slow mark never delays a release). Stops early on
+        schedule (a slow mark never delays a release): after a slice's
+        confirms when the last mark is old enough, and at the tick's end
+        (no task or timer of their own). Stops early on
         shutdown or when the destination closes mid-tick (a Retry-After or a
         pause reported meanwhile), and releases every claimed job it did not
         publish (cancelled too: the tick's leadership lost)."""
@@ -576,19 +580,12 @@ class DestinationAdmission:
         next_brake = started + BRAKE_CHECK_SECONDS
         next_check = started  # the first release looks: the claim and the shift took time
         room = _Room(MAX_UNCONFIRMED)
-        marking = anyio.CancelScope()  # cancelled once every slice is out
+        outcome.mark_at = self.clock.monotonic() + tick / MARKS_PER_TICK
         sent = 0  # claims.jobs[:sent] went to a slice (which settles them)
         earlier = 0  # jobs claimed before a mid-tick cut claimed again
 
-        async def mark_periodically() -> None:
-            with marking:
-                while True:
-                    await self.clock.sleep_until(self.clock.monotonic() + tick / MARKS_PER_TICK)
-                    await self._flush_confirmed(outcome)
-
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(mark_periodically)
                 i = 0
                 while i < len(slices):
                     at, end = slices[i]
@@ -630,9 +627,7 @@ class DestinationAdmission:
                     await room.take(len(group))
                     sent += len(group)
                     tg.start_soon(self._publish_slice, group, outcome, room)
-                marking.cancel()  # the rest is marked once every slice has its confirms
         finally:
-            marking.cancel()
             # a chunk in flight when the loop ended completed inside the task
             # group: its jobs, and every other one not sent, are released below
             claims.stop()
@@ -766,6 +761,23 @@ class DestinationAdmission:
                 count=rejected,
                 error=str(first_error),
             )
+        await self._mark_when_due(outcome)
+
+    async def _mark_when_due(self, outcome: _Publishing) -> None:
+        """After a slice's confirms: marks what is confirmed and not yet
+        marked, unless a mark is in flight or the last one was less than
+        ``tick / MARKS_PER_TICK`` ago (the tick's end marks the rest). It
+        runs in the slice's task, off the release schedule: a slow mark never
+        delays a release."""
+        if outcome.marking or self.clock.monotonic() < outcome.mark_at:
+            return
+        outcome.marking = True
+        try:
+            await self._flush_confirmed(outcome)
+        finally:
+            outcome.marking = False
+            tick = self.config.params.tick_seconds
+            outcome.mark_at = self.clock.monotonic() + tick / MARKS_PER_TICK
 
     def _after_publishing(self, outcome: _Publishing) -> None:
         """Backs off the broker after a tick that lost it or timed out on its
@@ -812,6 +824,7 @@ async def run_destination(
     stop: anyio.Event | None = None,
     on_pass: Callable[[], None] | None = None,
     until: Callable[[TickResult | None], Awaitable[bool]] | None = None,
+    sleep_until: Callable[[float], Awaitable[None]] | None = None,
 ) -> None:
     """Runs ticks on the pacer's schedule (each plan's ``next_deadline``: a
     tick that ends late is followed at once by the next, whose budget and
@@ -820,10 +833,18 @@ async def run_destination(
     is kept and the loop continues; anything else ends the process. ``stop``
     ends the loop after the current tick (whose unpublished claims are
     released). ``until`` gets each pass's result (None when the pass did not
-    tick, or failed) and ends the loop by returning True."""
+    tick, or failed) and ends the loop by returning True. ``sleep_until``
+    sleeps between ticks and returns early once ``stop`` is set (by default
+    ``sleep_until_or_stop``; the tick loop cuts all of its destinations'
+    sleeps short itself, with no task per sleep)."""
     clock = admission.clock
     stop = stop or anyio.Event()
     admission.stop = stop
+    if sleep_until is None:
+
+        async def sleep_until(deadline: float) -> None:
+            await sleep_until_or_stop(clock, deadline, stop)
+
     deadline = clock.monotonic()
     while not stop.is_set():
         result: TickResult | None = None
@@ -845,7 +866,7 @@ async def run_destination(
             deadline = admission.next_deadline
         else:
             deadline = pacer.next_deadline(deadline, clock.monotonic(), tick)
-        await sleep_until_or_stop(clock, deadline, stop)
+        await sleep_until(deadline)
 
 
 async def sleep_until_or_stop(clock: Clock, deadline: float, stop: anyio.Event) -> None:

@@ -112,6 +112,7 @@ class TickLoop:
         self.active: dict[str, _Active] = {}
         self.seen: dict[str, int] = {}  # every destination run here, and its partition
         self._ended = anyio.Event()  # set when a destination's task ends
+        self._sleeping: set[anyio.CancelScope] = set()  # destinations between ticks
         self.last_pass = clock.monotonic()
         self.passes = 0
 
@@ -133,6 +134,8 @@ class TickLoop:
     async def _run(self, scope: anyio.CancelScope, task_status: anyio.abc.TaskStatus[None]) -> None:
         async def grace() -> None:
             await self.stop.wait()
+            for sleeping in list(self._sleeping):
+                sleeping.cancel()
             scope.deadline = anyio.current_time() + self.grace_seconds
 
         async with anyio.create_task_group() as tg:
@@ -240,14 +243,29 @@ class TickLoop:
         try:
             with entry.scope:
                 await run_destination(
-                    entry.admission, leads=leads, stop=self.stop, on_pass=on_pass, until=until
-                )
+                    entry.admission, leads=leads, stop=self.stop, on_pass=on_pass, until=until,
+                    sleep_until=self._sleep_until,
+                )  # fmt: skip
         finally:
             self.active.pop(destination, None)
             self.forget(destination)
             log.debug("destination_inactive", destination=destination, parked=parked)
             ended, self._ended = self._ended, anyio.Event()
             ended.set()
+
+    async def _sleep_until(self, deadline: float) -> None:
+        """A destination's sleep between ticks, until ``deadline`` or
+        ``stop``: a cancel scope that ``run`` cancels when ``stop`` is set
+        (a task and a task group less per destination-tick than
+        ``sleep_until_or_stop``)."""
+        if self.stop.is_set():
+            return
+        with anyio.CancelScope() as scope:
+            self._sleeping.add(scope)
+            try:
+                await self.clock.sleep_until(deadline)
+            finally:
+                self._sleeping.discard(scope)
 
     async def _cancel_lost(self) -> None:
         """Cancels, mid-tick, the ticks of every partition whose lock may no
