@@ -23,6 +23,7 @@ write), and each slice then awaits its own confirms.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -293,7 +294,9 @@ class SharedLedger:
         # are on the way to its first release: they go as soon as everyone
         # ready has asked; the rest may wait a little. A brake reads the row
         # alone, mid-tick.
-        self._read_tick = shared("read_destination_inflight", self._read_tick_many)
+        self._read_tick = shared(
+            "read_destination_inflight", functools.partial(self._read_many, inflight=True)
+        )
         self._read = shared("read_destination", self._read_many)
         self._claim = shared("claim_due", self._claim_many, on_abandoned=self._release_abandoned)
         self._mark = shared("mark_offered", self._mark_many, lazy=True)
@@ -372,9 +375,6 @@ class SharedLedger:
     ) -> list[DestinationRow | None]:
         rows = await self.ledger.read_destinations(sorted(set(names)), inflight=inflight)
         return [rows.get(n) for n in names]
-
-    async def _read_tick_many(self, names: list[str]) -> list[DestinationRow | None]:
-        return await self._read_many(names, inflight=True)
 
     async def _claim_many(self, claims: list[_Claim]) -> list[list[ClaimedJob]]:
         by_instance: dict[str, list[ClaimRequest]] = {}

@@ -184,15 +184,17 @@ class FakeLedger:
         if dest is None:
             return None
         n = dest.counters
-        count = sum(j.destination == destination and _inflight(j) for j in self._jobs.values())
         return DestinationRow(
             destination=destination, paused=dest.paused, paused_all=False,
             cooldown_until=dest.cooldown_until, epoch=dest.epoch, pacer_state=dest.pacer_state,
             n_accepted=n["accepted"], n_refused=n["refused"],
             n_accepted_fresh=n["accepted_fresh"], n_refused_fresh=n["refused_fresh"],
             n_retry_after=n["retry_after"], leader=None, leader_since=None, now=self.clock.now(),
-            inflight=count if inflight else None,
+            inflight=self._count_inflight(destination) if inflight else None,
         )  # fmt: skip
+
+    def _count_inflight(self, destination: str) -> int:
+        return sum(j.destination == destination and _inflight(j) for j in self._jobs.values())
 
     async def is_closed(self, destination: str) -> bool:
         row = await self.read_destination(destination)
