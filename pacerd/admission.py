@@ -73,6 +73,13 @@ BRAKE_CHECK_SECONDS = 0.05
 # blocked or restarting broker is not fed a tick's budget every tick.
 BROKER_BACKOFF_MIN_SECONDS = 0.5
 BROKER_BACKOFF_MAX_SECONDS = 8.0
+# A tick skipped for a cool-down that ends before the next tick is due is
+# followed by a reopening tick when it ends (pacer.tick_budget), this long
+# after the end the ledger gave (its clock, read a round trip earlier): the
+# destination does not stay closed until the next tick after its window.
+REOPEN_MARGIN_SECONDS = 0.005
+# The skips of a destination that is closed: a reopening may follow them.
+CLOSED_SKIPS = frozenset({"paused", "paused_local", "cooldown"})
 
 
 class AdmissionLedger(Protocol):
@@ -357,6 +364,13 @@ class DestinationAdmission:
         self._broker_retry_at: float | None = None
         self.stop: anyio.Event | None = None
         self._reset_requested = False
+        # The last tick found the destination closed (paused or cooling down):
+        # ``reopens_at`` is when its cool-down ends (monotonic; None when
+        # paused), ``woken`` that it opened since and the next tick reopens.
+        self.closed = False
+        self.reopens_at: float | None = None
+        self.woken = False
+        self.sleeping: anyio.CancelScope | None = None  # run_destination's, between ticks
         seed = zlib.crc32(f"{config.instance}/{config.destination}".encode())
         self._phase = seed / 2**32
 
@@ -366,6 +380,20 @@ class DestinationAdmission:
         the start of the next tick, never in the middle of one."""
         self._reset_requested = True
         self.next_deadline = None
+
+    def wake(self) -> bool:
+        """The destination opened since its last tick found it closed (a
+        resume): its next tick runs at once, as a reopening. Whether it was
+        closed (else nothing changes)."""
+        if self.closed:
+            self.woken = True
+            self.interrupt()
+        return self.closed
+
+    def interrupt(self) -> None:
+        """Ends ``run_destination``'s sleep between ticks now (if it sleeps)."""
+        if self.sleeping is not None:
+            self.sleeping.cancel()
 
     def forget_window(self) -> None:
         """After a failed tick: keep the pacer (its rate and cut stand; what
@@ -402,6 +430,7 @@ class DestinationAdmission:
             self._broker_backoff, self._broker_retry_at = 0.0, None
         now = self.clock.monotonic()
         self.next_deadline = None
+        reopening, self.woken = self.woken and self.state is not None, False
         row = await self.ledger.read_destination(dest, inflight=True)
         if row is None:
             return TickResult(destination=dest, skipped="unknown")
@@ -435,6 +464,7 @@ class DestinationAdmission:
             params=cfg.params,
             cooldown_remaining_s=row.cooldown_remaining_seconds,
             paused=skipped is not None,
+            reopening=reopening,
         )
         self.state = state
         self.next_deadline = plan.next_deadline
@@ -446,6 +476,11 @@ class DestinationAdmission:
             await self.ledger.save_pacer_state(dest, persisted, epoch=state.epoch)
         if skipped is None and plan.cooldown:
             skipped = "cooldown"
+        self.closed = skipped in CLOSED_SKIPS
+        self.reopens_at = None
+        if skipped == "cooldown" and row.cooldown_remaining_seconds > 0:
+            read = self.clock.monotonic()  # the ledger's clock said so after this
+            self.reopens_at = read + row.cooldown_remaining_seconds + REOPEN_MARGIN_SECONDS
         claimed: list[ClaimedJob] = []
         outcome = _Publishing()
         would_admit = 0
@@ -836,7 +871,8 @@ async def run_destination(
     tick, or failed) and ends the loop by returning True. ``sleep_until``
     sleeps between ticks and returns early once ``stop`` is set (by default
     ``sleep_until_or_stop``; the tick loop cuts all of its destinations'
-    sleeps short itself, with no task per sleep)."""
+    sleeps short itself, with no task per sleep, through
+    ``admission.interrupt``). ``admission.wake`` ends a sleep too."""
     clock = admission.clock
     stop = stop or anyio.Event()
     admission.stop = stop
@@ -844,6 +880,16 @@ async def run_destination(
 
         async def sleep_until(deadline: float) -> None:
             await sleep_until_or_stop(clock, deadline, stop)
+
+    async def sleep(deadline: float) -> None:
+        if admission.woken or stop.is_set():
+            return
+        with anyio.CancelScope() as scope:
+            admission.sleeping = scope
+            try:
+                await sleep_until(deadline)
+            finally:
+                admission.sleeping = None
 
     deadline = clock.monotonic()
     while not stop.is_set():
@@ -866,7 +912,14 @@ async def run_destination(
             deadline = admission.next_deadline
         else:
             deadline = pacer.next_deadline(deadline, clock.monotonic(), tick)
-        await sleep_until(deadline)
+        reopens = admission.reopens_at
+        if reopens is not None and reopens < deadline:
+            # a cool-down that ends before the next tick: reopen when it ends
+            await sleep(reopens)
+            if clock.monotonic() < deadline:
+                admission.wake()
+            continue
+        await sleep(deadline)
 
 
 async def sleep_until_or_stop(clock: Clock, deadline: float, stop: anyio.Event) -> None:

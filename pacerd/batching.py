@@ -24,6 +24,7 @@ write), and each slice then awaits its own confirms.
 from __future__ import annotations
 
 import functools
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -234,9 +235,15 @@ class ClosedSnapshot:
         self.statements = counts if counts is not None else Counter()
         self._last: _Snapshot | None = None  # the last one read without error
         self._reading: _Snapshot | None = None
+        self._changed_at = -math.inf  # the last notice of a change (``changed``)
+
+    def changed(self) -> None:
+        """A pause, resume or cool-down was committed (a notice): checks
+        asked from now on are answered by a snapshot begun after it."""
+        self._changed_at = self.clock.monotonic()
 
     async def __call__(self) -> frozenset[str]:
-        oldest = self.clock.monotonic() - self.max_age_seconds
+        oldest = max(self.clock.monotonic() - self.max_age_seconds, self._changed_at)
         while True:
             last = self._last
             if last is not None and last.began >= oldest:
@@ -358,6 +365,10 @@ class SharedLedger:
         everyone, ``ClosedSnapshot``)."""
         closed = await self._closed()
         return "*" in closed or destination in closed
+
+    def closed_changed(self) -> None:
+        """A notice that some destination opened or closed (``ClosedSnapshot.changed``)."""
+        self._closed.changed()
 
     async def park(self, destination: str) -> bool:
         """Parks ``destination`` if it has nothing due and nothing in flight

@@ -23,8 +23,9 @@ from pacerd import ledger as ledger_module
 from pacerd.clock import Clock, SystemClock
 from pacerd.config import instance_name
 from pacerd.errors import MigrationError
-from pacerd.exitcodes import EX_NOT_MIGRATED
+from pacerd.exitcodes import EX_NOT_MIGRATED, EX_OK
 from pacerd.leadership import LeaderLocks, Leadership
+from pacerd.notices import ControlNotices
 from pacerd.observer import OutcomeObserver, TelemetryObserver, due_metrics
 from pacerd.outcomes import OutcomeConsumer
 from pacerd.publisher import Broker
@@ -39,8 +40,6 @@ if TYPE_CHECKING:
     from pacerd.telemetry import Telemetry
 
 log = structlog.get_logger("pacerd.daemon")
-
-EX_OK = 0
 
 
 class Daemon:
@@ -112,6 +111,8 @@ class Daemon:
         if self._local_paused:
             log.info("admission_resumed_locally")
         self._local_paused = False
+        if self.tickloop is not None:
+            self.tickloop.wake()
 
     # -- start-up ----------------------------------------------------------------------
 
@@ -194,6 +195,7 @@ class Daemon:
             observer=self.observer, is_paused_locally=lambda: self._local_paused,
             stop=self.stop_requested, tick_seconds=self.supervisor.tick_seconds,
             forget=self.observer.forget, grace_seconds=self.cfg.daemon.shutdown_grace_seconds,
+            notices=ControlNotices(self.cfg.database.dsn, clock=self.clock),
         )  # fmt: skip
         with anyio.CancelScope() as services_scope:
             async with anyio.create_task_group() as tg:
@@ -243,7 +245,6 @@ def main(cfg: Config, *, config_path: str | None, shadow: bool = False) -> int:
         return await daemon.run()
 
     try:
-        code: int = anyio.run(run, backend_options={"use_uvloop": True})
+        return int(anyio.run(run, backend_options={"use_uvloop": True}))
     finally:
         telemetry.shutdown()
-    return code

@@ -152,7 +152,7 @@ PEAK_S = 30.0  # time constant over which the rate before a heavy cut (the peak)
 PEAK_GAP = 0.7  # a firm ceiling under this share of the peak: the capacity may come back
 PEAK_PROBE_RTTS = 2.0  # ... so the ladder probes after this many clean round trips
 PEAK_LADDER_MAX = 0.5  # ... with steps up to this share of the rate while under the peak
-_MONOTONIC = ("last_tick", "deadline")  # never persisted
+_MONOTONIC = ("last_tick", "deadline", "prepaid")  # never persisted
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -248,6 +248,7 @@ class PacerState:
     acc_refused: float = 0.0  # fresh refusals under the threshold, decayed (ACCUMULATE_S)
     acc_outcomes: float = 0.0  # ... and the fresh outcomes they were among
     peak: float = 0.0  # the rate before the last heavy cut, fading (PEAK_S)
+    prepaid: bool = False  # the tick before was a reopening: it paid up to this tick
 
     def to_dict(self) -> dict[str, float | int | bool | None]:
         """JSON-able, without the monotonic timestamps (not portable across hosts)."""
@@ -698,11 +699,20 @@ def tick_budget(
     params: PacingParams,
     cooldown_remaining_s: float = 0.0,
     paused: bool = False,
+    reopening: bool = False,
 ) -> tuple[PacerState, TickPlan]:
-    """The tick arithmetic: budget, credit, spacing and the next deadline."""
+    """The tick arithmetic: budget, credit, spacing and the next deadline.
+
+    A tick pays for the time since the one before it (``rate x elapsed``).
+    A *reopening* tick (``reopening``: run before its deadline because the
+    destination opened since the last tick found it closed — its cool-down
+    ran out, or it was resumed) keeps the schedule's next point as its
+    deadline and pays for the time left until then; the tick after it pays
+    for its own span, not for the time since the reopening (already paid)."""
     p = params
     elapsed = _elapsed(state, now, p)
-    deadline = next_deadline(state.deadline, now, p.tick_seconds)
+    early = reopening and now < state.deadline
+    deadline = state.deadline if early else next_deadline(state.deadline, now, p.tick_seconds)
     span = max(deadline - now, 1e-9)
     room = max(0, p.max_inflight - inflight)
     cooldown = cooldown_remaining_s > 0
@@ -710,7 +720,8 @@ def tick_budget(
     if not (cooldown or paused):
         # a late tick catches up on the time since the last one, but never
         # releases faster than CATCH_UP x the rate over what is left of it
-        raw = state.credit + state.rate * min(elapsed, CATCH_UP * span)
+        pay = span if early or state.prepaid else min(elapsed, CATCH_UP * span)
+        raw = state.credit + state.rate * pay
         whole = math.floor(raw)
         credit, capped = raw - whole, whole > room
         budget = min(whole, room)
@@ -726,7 +737,7 @@ def tick_budget(
         paused=paused,
         inflight_capped=capped,
     )
-    return replace(state, credit=credit, last_tick=now, deadline=deadline), plan
+    return replace(state, credit=credit, last_tick=now, deadline=deadline, prepaid=early), plan
 
 
 def plan_tick(
@@ -739,12 +750,15 @@ def plan_tick(
     params: PacingParams,
     cooldown_remaining_s: float = 0.0,
     paused: bool = False,
+    reopening: bool = False,
 ) -> tuple[PacerState, TickPlan]:
     """One tick of one destination: the law's step, then the tick arithmetic.
 
     ``demand`` is what the previous tick did (None on a leader's first tick);
     ``cooldown_remaining_s`` the Retry-After closure left (from the ledger);
-    ``paused``: admit nothing and do not grow (outcomes still count)."""
+    ``paused``: admit nothing and do not grow (outcomes still count);
+    ``reopening``: run early, the destination closed at the last tick and
+    open since (see :func:`tick_budget`)."""
     state = update_rate(
         state,
         window,
@@ -762,4 +776,5 @@ def plan_tick(
         params=params,
         cooldown_remaining_s=cooldown_remaining_s,
         paused=paused,
+        reopening=reopening,
     )

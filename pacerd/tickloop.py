@@ -9,6 +9,7 @@ it, and nothing for the others.
                 ─► mark ─► save   (statements and broker writes shared: batching.py)
     quiet for QUIET_TICKS ticks (nothing due, nothing in flight, no new
     outcomes): parked in the ledger, its task and memory gone
+    the ledger's notices (notices.py): a destination resumed ticks at once
 
 Every destination's ticks are anchored to the loop's schedule, so the ticks
 of all of them start at the same instants and their statements are shared:
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from pacerd.clock import Clock
     from pacerd.leadership import Leadership
     from pacerd.ledger import Ledger
+    from pacerd.notices import ControlNotices, Notice
     from pacerd.publisher import Broker
 
 log = structlog.get_logger("pacerd.tickloop")
@@ -93,6 +95,7 @@ class TickLoop:
         tick_seconds: Callable[[], float],
         forget: Callable[[str], None],
         grace_seconds: float = math.inf,
+        notices: ControlNotices | None = None,
     ) -> None:
         self.ledger = ledger
         self.shared = SharedLedger(ledger, clock=clock)
@@ -108,11 +111,13 @@ class TickLoop:
         self.tick_seconds = tick_seconds
         self.forget = forget
         self.grace_seconds = grace_seconds
+        self.notices = notices  # pauses, resumes and cool-downs as they commit
+        if notices is not None:
+            notices.on_notice = self.notice
         self.ended = anyio.Event()  # set when ``run`` has returned
         self.active: dict[str, _Active] = {}
         self.seen: dict[str, int] = {}  # every destination run here, and its partition
         self._ended = anyio.Event()  # set when a destination's task ends
-        self._sleeping: set[anyio.CancelScope] = set()  # destinations between ticks
         self.last_pass = clock.monotonic()
         self.passes = 0
 
@@ -134,13 +139,15 @@ class TickLoop:
     async def _run(self, scope: anyio.CancelScope, task_status: anyio.abc.TaskStatus[None]) -> None:
         async def grace() -> None:
             await self.stop.wait()
-            for sleeping in list(self._sleeping):
-                sleeping.cancel()
+            for entry in list(self.active.values()):
+                entry.admission.interrupt()  # its sleep between ticks
             scope.deadline = anyio.current_time() + self.grace_seconds
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._cancel_lost)
             tg.start_soon(grace)
+            if self.notices is not None:
+                await tg.start(self.notices.run)
             task_status.started()
             grid = self.clock.monotonic()
             while not self.stop.is_set():
@@ -244,7 +251,7 @@ class TickLoop:
             with entry.scope:
                 await run_destination(
                     entry.admission, leads=leads, stop=self.stop, on_pass=on_pass, until=until,
-                    sleep_until=self._sleep_until,
+                    sleep_until=self.clock.sleep_until,
                 )  # fmt: skip
         finally:
             self.active.pop(destination, None)
@@ -253,19 +260,25 @@ class TickLoop:
             ended, self._ended = self._ended, anyio.Event()
             ended.set()
 
-    async def _sleep_until(self, deadline: float) -> None:
-        """A destination's sleep between ticks, until ``deadline`` or
-        ``stop``: a cancel scope that ``run`` cancels when ``stop`` is set
-        (a task and a task group less per destination-tick than
-        ``sleep_until_or_stop``)."""
-        if self.stop.is_set():
-            return
-        with anyio.CancelScope() as scope:
-            self._sleeping.add(scope)
-            try:
-                await self.clock.sleep_until(deadline)
-            finally:
-                self._sleeping.discard(scope)
+    # -- notices -----------------------------------------------------------------------
+
+    def notice(self, notice: Notice) -> None:
+        """A destination (None: every one) opened or closed: the release
+        slices' closed checks read again, and a destination that its last
+        tick found paused ticks again at once (a reopening)."""
+        opened, destination = notice
+        self.shared.closed_changed()
+        if opened:
+            self.wake(destination)
+
+    def wake(self, destination: str | None = None) -> int:
+        """Reopens now the destinations (every one when None) whose last
+        tick found them closed; how many."""
+        if destination is None:
+            entries = list(self.active.values())
+        else:
+            entries = [e for e in (self.active.get(destination),) if e is not None]
+        return sum(entry.admission.wake() for entry in entries)
 
     async def _cancel_lost(self) -> None:
         """Cancels, mid-tick, the ticks of every partition whose lock may no

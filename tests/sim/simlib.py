@@ -69,6 +69,7 @@ class Law(Protocol):
         params: PacingParams,
         cooldown_remaining_s: float = 0.0,
         paused: bool = False,
+        reopening: bool = False,
     ) -> tuple[PacerState, TickPlan]: ...
 
 
@@ -99,6 +100,7 @@ class HalvingLaw:
         params: PacingParams,
         cooldown_remaining_s: float = 0.0,
         paused: bool = False,
+        reopening: bool = False,
     ) -> tuple[PacerState, TickPlan]:
         rate = state.rate
         if window.refused > 0:
@@ -119,6 +121,7 @@ class HalvingLaw:
             last_tick=state.last_tick,
             deadline=state.deadline,
             epoch=state.epoch,
+            prepaid=state.prepaid,
         )
         return pacer.tick_budget(
             state,
@@ -127,6 +130,7 @@ class HalvingLaw:
             params=params,
             cooldown_remaining_s=cooldown_remaining_s,
             paused=paused,
+            reopening=reopening,
         )
 
 

@@ -139,6 +139,16 @@ class FakeLedger:
             name=name, overdue=math.inf if overdue is None else overdue
         )
 
+    def pause(self, destination: str, *, paused: bool = True) -> None:
+        """``pacerd.pause`` (``paused`` False: ``pacerd.resume``) of a known destination."""
+        self._destinations[destination].paused = paused
+
+    def cool_down(self, destination: str, seconds: float) -> None:
+        """A Retry-After of ``seconds`` reported for ``destination`` now."""
+        dest = self._destinations[destination]
+        until = self.clock.now() + dt.timedelta(seconds=seconds)
+        dest.cooldown_until = max(dest.cooldown_until or until, until)
+
     def schedule(
         self, job_id: str, destination: str, *, eligible_at: dt.datetime | None = None
     ) -> None:

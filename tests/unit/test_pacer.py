@@ -804,3 +804,90 @@ def test_the_peak_of_a_drop_fades_and_survives_a_leader_change() -> None:
     assert probed.epoch == 8
     assert not probed.heavy
     assert probed.peak == pytest.approx(80.0 * math.exp(-1.0 / pacer.PEAK_S))
+
+
+# -- reopening: a tick run early because the destination opened since the last one
+
+
+def test_a_reopening_pays_for_what_is_left_of_its_tick_and_the_next_tick_for_a_whole_one() -> None:
+    params = PacingParams(tick_seconds=1.0, initial_rate=40.0, max_rate=40.0)
+    state, plan = plan_tick(
+        initial_state(params, now=T0), EMPTY, None, now=T0, inflight=0, params=params, paused=True
+    )
+    assert plan.budget == 0
+    assert plan.next_deadline == pytest.approx(T0 + 1.0)
+    # resumed 0.3 s into the tick: released from then on, until the schedule's next point
+    state, plan = plan_tick(
+        state, EMPTY, Demand(), now=T0 + 0.3, inflight=0, params=params, reopening=True
+    )
+    assert plan.next_deadline == pytest.approx(T0 + 1.0)
+    assert plan.budget == 28  # 40/s over the 0.7 s left
+    assert plan.spacing_seconds == pytest.approx(0.7 / 28)
+    budgets = []
+    for k in (1, 2):
+        state, plan = plan_tick(
+            state, EMPTY, full(plan.budget), now=T0 + k, inflight=0, params=params
+        )
+        budgets.append(plan.budget)
+        assert plan.next_deadline == pytest.approx(T0 + k + 1)
+    assert budgets == [40, 40]  # not 28: the reopening paid for the 0.7 s before it
+
+
+def test_a_reopening_that_finds_it_still_closed_admits_nothing_and_keeps_the_schedule() -> None:
+    params = PacingParams(tick_seconds=1.0, initial_rate=40.0, max_rate=40.0)
+    state, _ = plan_tick(
+        initial_state(params, now=T0), EMPTY, None, now=T0, inflight=0, params=params, paused=True
+    )
+    state, plan = plan_tick(
+        state, EMPTY, Demand(), now=T0 + 0.6, inflight=0, params=params,
+        cooldown_remaining_s=0.01, reopening=True,
+    )  # fmt: skip
+    assert plan.budget == 0
+    assert plan.next_deadline == pytest.approx(T0 + 1.0)
+    state, plan = plan_tick(state, EMPTY, Demand(), now=T0 + 1.0, inflight=0, params=params)
+    assert plan.budget == math.floor(state.rate)  # a whole tick, at the rate it reopens with
+
+
+def test_a_reopening_at_its_deadline_is_an_ordinary_tick() -> None:
+    params = PacingParams(tick_seconds=1.0, initial_rate=40.0, max_rate=40.0)
+    state, _ = plan_tick(
+        initial_state(params, now=T0), EMPTY, None, now=T0, inflight=0, params=params, paused=True
+    )
+    for reopening in (False, True):
+        after, plan = plan_tick(
+            state, EMPTY, Demand(), now=T0 + 1.02, inflight=0, params=params, reopening=reopening
+        )
+        assert (plan.budget, plan.next_deadline) == (40, pytest.approx(T0 + 2.0))
+        assert not after.prepaid
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    PARAMS,
+    st.lists(st.tuples(st.floats(0.0, 1.0), st.booleans(), st.booleans()), min_size=1, max_size=60),
+)
+def test_reopenings_never_release_faster_than_the_rate(
+    params: PacingParams, ticks: list[tuple[float, bool, bool]]
+) -> None:
+    """Each tick releases its budget between its start and its deadline; with
+    reopenings anywhere in a history of closed and open ticks, the budgets of
+    ticks i..j stay within CATCH_UP x (highest rate) x (deadline_j - start_i) + 1."""
+    state = initial_state(params, now=T0)
+    starts, ends, budgets, rates = [], [], [], []
+    now, closed = T0, False
+    for position, reopen, close in ticks:
+        early = reopen and closed  # woken before the deadline, after a closed tick
+        now = (now + position * (state.deadline - now)) if early else max(now, state.deadline)
+        state, plan = plan_tick(
+            state, EMPTY, full(budgets[-1]) if budgets else None, now=now, inflight=0,
+            params=params, paused=close, reopening=early,
+        )  # fmt: skip
+        starts.append(now)
+        ends.append(plan.next_deadline)
+        budgets.append(plan.budget)
+        rates.append(state.rate)
+        closed = close
+    for i in range(len(budgets)):
+        for j in range(i, len(budgets)):
+            bound = CATCH_UP * max(rates[i : j + 1]) * (ends[j] - starts[i]) + 1.0
+            assert sum(budgets[i : j + 1]) <= bound + 1e-6
