@@ -857,7 +857,8 @@ def test_a_reopening_at_its_deadline_is_an_ordinary_tick() -> None:
         after, plan = plan_tick(
             state, EMPTY, Demand(), now=T0 + 1.02, inflight=0, params=params, reopening=reopening
         )
-        assert (plan.budget, plan.next_deadline) == (40, pytest.approx(T0 + 2.0))
+        assert plan.budget == 40
+        assert plan.next_deadline == pytest.approx(T0 + 2.0)
         assert not after.prepaid
 
 
@@ -873,7 +874,10 @@ def test_reopenings_never_release_faster_than_the_rate(
     reopenings anywhere in a history of closed and open ticks, the budgets of
     ticks i..j stay within CATCH_UP x (highest rate) x (deadline_j - start_i) + 1."""
     state = initial_state(params, now=T0)
-    starts, ends, budgets, rates = [], [], [], []
+    starts: list[float] = []
+    ends: list[float] = []
+    budgets: list[int] = []
+    rates: list[float] = []
     now, closed = T0, False
     for position, reopen, close in ticks:
         early = reopen and closed  # woken before the deadline, after a closed tick
