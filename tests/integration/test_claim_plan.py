@@ -27,7 +27,8 @@ from pacerd import ledger
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-pytestmark = pytest.mark.services
+# one worker builds the ledgers once for the whole module
+pytestmark = [pytest.mark.services, pytest.mark.xdist_group("claim_plan")]
 
 SMALL, LARGE = 10_000, 200_000
 BATCH = 500

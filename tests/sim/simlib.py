@@ -313,7 +313,10 @@ class SimLedger:
     ) -> list[Job]:
         """``claim_due``: up to ``limit`` due jobs, oldest first, ``live_limit``
         of them reserved for the live lane (work-conserving both ways); live
-        jobs first, each lane in ``next_attempt_at`` order."""
+        jobs first, each lane in ``next_attempt_at`` order. Nothing while the
+        destination cools down after a Retry-After, as the SQL claims."""
+        if t < self.cooldown_until:
+            return []
         live_due, backlog_due = self.due_counts(t, live_window_seconds)
         live_due, backlog_due = min(live_due, limit), int(min(backlog_due, limit))
         n_live = min(live_due, max(live_limit, limit - backlog_due))

@@ -19,7 +19,6 @@ from support.ledger_contract import DEST, WINDOW, LedgerContract
 
 if TYPE_CHECKING:
     from support.clock_contract import Case, Run
-    from support.ledger_contract import LedgerDriver
 
     from pacerd.models import JobRef
 
@@ -50,16 +49,6 @@ class TestSimLedger(LedgerContract):
     @pytest.fixture
     def driver(self) -> SimDriver:
         return SimDriver()
-
-    @pytest.mark.xfail(
-        reason="the model claims during a cool-down (test_simlib holds it to that); "
-        "closing it is a change of the model the simulation's results stand on",
-        strict=True,
-    )
-    async def test_a_retry_after_closes_the_destination_to_claims(
-        self, driver: LedgerDriver
-    ) -> None:
-        await super().test_a_retry_after_closes_the_destination_to_claims(driver)
 
 
 def _on_sim_time(case: Case) -> None:
