@@ -34,6 +34,7 @@ from faultlib import (
     rises,
     sample_every_tick,
     sample_forever,
+    sample_once,
 )
 
 from pacerd.publisher import INVALID_QUEUE, OUTCOMES_EXCHANGE
@@ -780,6 +781,9 @@ async def recovery_drill(env: Env, scale: Scale) -> tuple[Audit, DrillReport]:
             )
             drained = await rig.settle(within=scale.settle_seconds)
             tg.cancel_scope.cancel()
+        # the samples follow tick records, read every 10 ms: the last tick's may
+        # not have been read when the settle saw the last job completed
+        await sample_once(rig, samples, "after the settle")
         audit = await rig.audit(
             "recovery drill",
             within=scale.settle_seconds,

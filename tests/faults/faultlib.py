@@ -1315,7 +1315,8 @@ class Sample:
     claimed: int = -1  # what that tick claimed (-1: not sampled on a tick)
 
 
-async def _sample(rig: Rig, out: list[Sample], tick: str = "", claimed: int = -1) -> None:
+async def sample_once(rig: Rig, out: list[Sample], tick: str = "", claimed: int = -1) -> None:
+    """One sample of the oldest-due age, due and in flight, now."""
     row = await rig.db().fetchrow(
         "SELECT extract(epoch FROM now() - min(next_attempt_at) FILTER (WHERE"
         " state = 'scheduled' AND next_attempt_at <= now()))::float8 AS age,"
@@ -1332,7 +1333,7 @@ async def sample_forever(rig: Rig, out: list[Sample], every: float) -> None:
     """Oldest-due age (as ``pacerd status`` reports it: the oldest due job still
     scheduled), due and in flight, every ``every`` seconds of wall time."""
     while True:
-        await _sample(rig, out)
+        await sample_once(rig, out)
         await anyio.sleep(every)
 
 
@@ -1354,7 +1355,7 @@ async def sample_every_tick(rig: Rig, out: list[Sample]) -> None:
                         ticked = f"{p.name} budget {doc['budget']} claimed {doc['claimed']}"
                         claimed = int(doc["claimed"])
         if ticked:
-            await _sample(rig, out, ticked, claimed)
+            await sample_once(rig, out, ticked, claimed)
         await anyio.sleep(0.01)
 
 
