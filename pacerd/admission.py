@@ -639,7 +639,9 @@ class DestinationAdmission:
                         break
                     if clean is not None and self.clock.monotonic() >= next_brake:
                         next_brake = self.clock.monotonic() + BRAKE_CHECK_SECONDS
-                        clean, cut = await self._brake(clean)
+                        # the outcomes heard left about a check's interval ago
+                        heard = self.clock.monotonic() - started - BRAKE_CHECK_SECONDS
+                        clean, cut = await self._brake(clean, sent=pacer.ramp_rate(plan, heard))
                         if cut:
                             # The claims not yet sent go back and the rest of the
                             # tick is claimed afresh at the cut's epoch, evenly
@@ -702,14 +704,15 @@ class DestinationAdmission:
             fresh.stop()
         return fresh
 
-    async def _brake(self, clean: DestinationRow) -> tuple[DestinationRow, bool]:
+    async def _brake(self, clean: DestinationRow, *, sent: float) -> tuple[DestinationRow, bool]:
         """Mid-tick: whether the fresh outcomes heard since ``clean`` (the
         last reading before any fresh refusal since the tick began or the last
         cut, so that they measure the upstream since it began refusing) made
-        the pacer cut the rate (``pacer.brake``), with the reading to count
-        from next time. A cut is persisted at once, with its epoch, as at a
-        tick's start; the next tick's window starts there. A ledger that
-        cannot answer changes nothing."""
+        the pacer cut the rate (``pacer.brake``, ``sent`` the rate the tick
+        released them at), with the reading to count from next time. A cut
+        is persisted at once, with its epoch, as at a tick's start; the next
+        tick's window starts there. A ledger that cannot answer changes
+        nothing."""
         cfg = self.config
         assert self.state is not None
         try:
@@ -721,7 +724,7 @@ class DestinationAdmission:
         if row.n_refused_fresh == clean.n_refused_fresh:
             return row, False
         window = counters_window(row, clean, interval_seconds=0.0)
-        cut = pacer.brake(self.state, window, cfg.params)
+        cut = pacer.brake(self.state, window, cfg.params, sent=sent)
         if cut is None:
             return clean, False
         self.state = cut

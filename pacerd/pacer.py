@@ -49,7 +49,12 @@ The law, per destination:
   Before a destination's first episode it grows ``slow_start_factor`` per round
   trip and at most once per ``SLOW_START_PERIOD_S`` (per second, not per tick:
   a short tick does not compound the factor while refusals are on their way),
-  never faster than that factor times the accepted rate. On the first sign of
+  never faster than that factor times the accepted rate; a tick that grew
+  keeps ramping at that growth while it releases (its releases reach the rate
+  the next tick would grow to: no jump of a whole factor at a tick's start,
+  which a brake could only catch a round trip after it began), and slow start
+  ends at no more than that tick's starting rate (its ceiling at what it
+  accepted). On the first sign of
   saturation (HyStart) it stops growing: it holds the rate on any refusal
   (under the episode threshold, or too few to end slow start), or on a window
   of at least
@@ -113,7 +118,9 @@ The law, per destination:
   missed ticks are skipped, not replayed), capped by ``max_inflight -
   inflight``; the fraction carries over as credit. Publishes are spread over
   the tick, live jobs first and at a pace under the ceiling, so a probe's
-  refusals land on backlog work.
+  refusals land on backlog work; a ramping slow-start tick pays for its
+  ramp (``rate x (g^T - 1) / ln g`` for T seconds at a growth of ``g`` a
+  second) and spreads it at its rising rate.
 """
 
 from __future__ import annotations
@@ -212,6 +219,7 @@ class TickPlan:
     cooldown: bool = False
     paused: bool = False
     inflight_capped: bool = False
+    ramp: float = 1.0  # slow start: the release rate at the tick's end over its start
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -331,21 +339,39 @@ def split_lanes(budget: int, live_due: int, backlog_due: int, params: PacingPara
 def publish_offsets(plan: TickPlan, n_live: int, n: int) -> list[float]:
     """Seconds after the tick's start at which to publish ``n`` claimed jobs,
     the ``n_live`` live ones first: these at ``live_spacing_seconds`` (a pace
-    under the ceiling, so probes do not refuse them), the rest evenly over what
-    remains of the tick."""
+    under the ceiling, so probes do not refuse them), the rest spread over what
+    remains of the tick: evenly, or, in a slow-start tick (``plan.ramp`` > 1),
+    at a rate growing steadily by that factor from the tick's start to its end."""
     if n <= 0:
         return []
     span = plan.spacing_seconds * max(plan.budget, 1)
     even = span / n
     live_sp = max(even, plan.live_spacing_seconds)
     if n_live <= 0 or n_live >= n or n_live * live_sp >= span:
-        return [i * even for i in range(n)]
+        return _spread(n, 0.0, span, plan.ramp, first=0)
     head = n_live * live_sp
-    rest = (span - head) / (n - n_live)
     # the first live job waits one live spacing too: a token has come in meanwhile
-    return [(i + 1) * live_sp for i in range(n_live)] + [
-        head + (i + 1) * rest for i in range(n - n_live)
-    ]
+    return [(i + 1) * live_sp for i in range(n_live)] + _spread(
+        n - n_live, head, span - head, plan.ramp, first=1
+    )
+
+
+def _spread(n: int, start: float, span: float, ramp: float, *, first: int) -> list[float]:
+    """``n`` points over ``[start, start + span]``, the k-th (from ``first``)
+    where ``k / n`` of a rate growing exponentially by ``ramp`` over the span
+    (constant when ``ramp`` is 1) has been released."""
+    if ramp <= 1.0 + 1e-9:
+        return [start + (i + first) * span / n for i in range(n)]
+    g = math.log(ramp)
+    return [start + span * math.log1p((i + first) / n * (ramp - 1.0)) / g for i in range(n)]
+
+
+def ramp_rate(plan: TickPlan, elapsed: float) -> float:
+    """The release rate ``elapsed`` seconds into a tick planned as ``plan``
+    (its rate, grown along its ramp)."""
+    span = plan.spacing_seconds * max(plan.budget, 1)
+    share = min(1.0, max(0.0, elapsed / span)) if span > 0 else 1.0
+    return plan.rate * float(plan.ramp**share)
 
 
 def _clamp(rate: float, p: PacingParams) -> float:
@@ -434,6 +460,8 @@ def update_rate(
     sent = state.rate
     if demand is not None and (demand.backlog_empty or demand.inflight_capped) and dt > 0:
         sent = min(sent, demand.admitted / dt)
+    elif demand is not None and state.ceiling is None and dt > 0:
+        sent = max(sent, demand.admitted / dt)  # a slow-start tick ramps past its rate
     if state.ceiling is not None and dt > 0:  # what the upstream could have stored
         actual = demand.admitted / dt if demand is not None else 0.0
         span = dt if demand is not None else max(dt, interval)
@@ -509,11 +537,14 @@ def watches(state: PacerState) -> bool:
     return state.ceiling is None and not state.cooling
 
 
-def brake(state: PacerState, window: OutcomeWindow, params: PacingParams) -> PacerState | None:
+def brake(
+    state: PacerState, window: OutcomeWindow, params: PacingParams, *, sent: float | None = None
+) -> PacerState | None:
     """Mid-tick: the state after the fresh outcomes heard since the tick
     began (``window``), or None when they do not call for a cut before the
-    next tick (the module docstring's **Brake**). The cut moves the epoch, so
-    the outcomes of the jobs sent before it count as stale and never cut
+    next tick (the module docstring's **Brake**). ``sent``: the rate the
+    tick releases at by now (:func:`ramp_rate`; default the state's rate).
+    The cut moves the epoch, so the outcomes of the jobs sent before it count as stale and never cut
     again; the next tick's fresh outcomes confirm or correct it."""
     p = params
     refused = window.refused_fresh
@@ -525,7 +556,7 @@ def brake(state: PacerState, window: OutcomeWindow, params: PacingParams) -> Pac
     if refused < BRAKE_RATIO * outcomes:
         return None
     share = (outcomes - refused + 0.5) / (outcomes + 1.0)
-    sent = state.rate
+    sent = max(state.rate, sent or 0.0)
     est = max(p.min_rate, sent * share)
     rate = min(sent, max(est * (1.0 - p.decrease_margin), p.decrease_factor * sent))
     return _new_episode(
@@ -613,11 +644,12 @@ def _end_slow_start(
     window's, or the average when outcomes came in a batch), never above that
     estimate. Never heavy: slow start ends before the capacity could change
     under a window's outcomes."""
+    before = state.rate  # a ramping tick sent more: the ceiling remembers that
     state = _cut(state, refused, outcomes, sent, p)
     measured = max(accepted_rate, state.delivered)
     est = min(state.cut_bound, measured) if measured > 0 else state.cut_bound
     low = est * (1.0 - p.decrease_margin)
-    rate = min(sent, max(low, p.decrease_factor * sent))
+    rate = min(before, sent, max(low, p.decrease_factor * sent))
     return replace(
         state, rate=_clamp(rate, p), ceiling=max(p.min_rate, low), firm=True, heavy=False
     )
@@ -700,6 +732,7 @@ def tick_budget(
     cooldown_remaining_s: float = 0.0,
     paused: bool = False,
     reopening: bool = False,
+    growth: float = 1.0,
 ) -> tuple[PacerState, TickPlan]:
     """The tick arithmetic: budget, credit, spacing and the next deadline.
 
@@ -708,7 +741,12 @@ def tick_budget(
     destination opened since the last tick found it closed — its cool-down
     ran out, or it was resumed) keeps the schedule's next point as its
     deadline and pays for the time left until then; the tick after it pays
-    for its own span, not for the time since the reopening (already paid)."""
+    for its own span, not for the time since the reopening (already paid).
+    A slow-start tick (``growth`` > 1, the rate's growth per second) releases
+    at a rate that keeps growing over what it pays for, from the rate on, as
+    the next tick's step will have grown it (``TickPlan.ramp``): no jump
+    of a whole factor at a tick's start, for a brake to catch a round trip
+    after it began."""
     p = params
     elapsed = _elapsed(state, now, p)
     early = reopening and now < state.deadline
@@ -716,12 +754,16 @@ def tick_budget(
     span = max(deadline - now, 1e-9)
     room = max(0, p.max_inflight - inflight)
     cooldown = cooldown_remaining_s > 0
-    budget, credit, capped = 0, 0.0, False
+    budget, credit, capped, ramp = 0, 0.0, False, 1.0
     if not (cooldown or paused):
         # a late tick catches up on the time since the last one, but never
         # releases faster than CATCH_UP x the rate over what is left of it
         pay = span if early or state.prepaid else min(elapsed, CATCH_UP * span)
-        raw = state.credit + state.rate * pay
+        if growth > 1.0 + 1e-9:
+            ramp = min(growth**pay, max(1.0, p.max_rate / state.rate))
+            raw = state.credit + state.rate * pay * (ramp - 1.0) / math.log(ramp)
+        else:
+            raw = state.credit + state.rate * pay
         whole = math.floor(raw)
         credit, capped = raw - whole, whole > room
         budget = min(whole, room)
@@ -736,6 +778,7 @@ def tick_budget(
         cooldown=cooldown,
         paused=paused,
         inflight_capped=capped,
+        ramp=ramp,
     )
     return replace(state, credit=credit, last_tick=now, deadline=deadline, prepaid=early), plan
 
@@ -758,7 +801,9 @@ def plan_tick(
     ``cooldown_remaining_s`` the Retry-After closure left (from the ledger);
     ``paused``: admit nothing and do not grow (outcomes still count);
     ``reopening``: run early, the destination closed at the last tick and
-    open since (see :func:`tick_budget`)."""
+    open since (see :func:`tick_budget`). A tick whose step grew the rate in
+    slow start ramps on at that growth (:func:`tick_budget`'s ``growth``)."""
+    before = state.rate
     state = update_rate(
         state,
         window,
@@ -769,6 +814,10 @@ def plan_tick(
         paused=paused,
         inflight=inflight,
     )
+    growth = 1.0
+    if state.ceiling is None and not state.episode and state.rate > before:
+        period = max(params.tick_seconds, state.round_trip_s, SLOW_START_PERIOD_S)
+        growth = params.slow_start_factor ** (1.0 / period)
     return tick_budget(
         state,
         now=now,
@@ -777,4 +826,5 @@ def plan_tick(
         cooldown_remaining_s=cooldown_remaining_s,
         paused=paused,
         reopening=reopening,
+        growth=growth,
     )

@@ -162,6 +162,57 @@ def test_slow_start_grows_by_its_factor_per_tick_while_accepted() -> None:
     assert state.rate == pytest.approx(20.0 * P.slow_start_factor)
 
 
+def test_a_growing_slow_start_tick_ramps_on_to_the_next_ticks_rate() -> None:
+    # the tick after growth releases from its rate up to what the next tick
+    # grows to: the volume of the ramp, spread at a rising rate, no jump
+    state = replace(initial_state(P, now=T0), rate=20.0)
+    state, plan = run(state, OutcomeWindow(accepted=20, accepted_fresh=20), full(20))
+    f = P.slow_start_factor
+    assert plan.ramp == pytest.approx(f)
+    assert plan.budget == math.floor(30.0 * (f - 1.0) / math.log(f))  # 36, not 30
+    offsets = publish_offsets(plan, 0, plan.budget)
+    gaps = [b - a for a, b in itertools.pairwise(offsets)]
+    assert all(b < a for a, b in itertools.pairwise(gaps))  # ever closer together
+    assert gaps[0] == pytest.approx(1.0 / 30.0, rel=0.05)  # the tick's rate at its start
+    assert gaps[-1] == pytest.approx(1.0 / (30.0 * f), rel=0.05)  # the next tick's at its end
+    assert pacer.ramp_rate(plan, 0.0) == 30.0
+    assert pacer.ramp_rate(plan, plan.spacing_seconds * plan.budget) == pytest.approx(30.0 * f)
+    # the next tick, had it grown on: its rate is where the ramp ended
+    window = OutcomeWindow(accepted=plan.budget, accepted_fresh=plan.budget)
+    after, _ = run(state, window, full(plan.budget))
+    assert after.rate == pytest.approx(30.0 * f)
+
+
+def test_slow_start_ramps_only_while_it_grows() -> None:
+    # a held tick (the accepted rate under the factor's reach) releases evenly
+    state = replace(initial_state(P, now=T0), rate=20.0)
+    _, plan = run(state, OutcomeWindow(accepted=5, accepted_fresh=5), full(20))
+    assert (plan.ramp, plan.budget) == (1.0, 20)
+    # past slow start: evenly
+    _, plan = run(at_ceiling(rate=100.0), OutcomeWindow(accepted=100, accepted_fresh=100))
+    assert plan.ramp == 1.0
+
+
+def test_slow_start_ends_at_no_more_than_the_rate_a_ramp_started_from() -> None:
+    # a tick sent 48 jobs from 30/s on; 8 of them refused: slow start ends,
+    # its ceiling at the 40/s accepted, the rate not above the tick's (the
+    # same window without the refusals would not have raised it past that)
+    state = replace(initial_state(P, now=T0), rate=30.0)
+    window = OutcomeWindow(accepted=40, refused=8, accepted_fresh=40, refused_fresh=8)
+    after, _ = run(state, window, full(48))
+    assert after.ceiling == pytest.approx(40.0 * (1 - P.decrease_margin))
+    assert after.rate == 30.0
+
+
+def test_a_brake_on_a_ramp_measures_the_rate_released_by_then() -> None:
+    state = replace(initial_state(P, now=T0), rate=100.0)
+    heard = OutcomeWindow(accepted_fresh=38, refused_fresh=22)
+    cut = pacer.brake(state, heard, P, sent=140.0)
+    assert cut is not None
+    assert cut.rate == pytest.approx(140.0 * (38 + 0.5) / 61 * (1 - P.decrease_margin))
+    assert cut.cut_from == 140.0
+
+
 def test_slow_start_is_paced_by_the_accepted_rate() -> None:
     state = replace(initial_state(P, now=T0), rate=20.0)
     state, _ = run(state, OutcomeWindow(accepted=5, accepted_fresh=5), full(20))
@@ -706,7 +757,8 @@ def test_admissions_over_any_window_are_bounded_by_rate_times_window(
     params: PacingParams, ticks: list[tuple[float, bool]]
 ) -> None:
     """For ticks i..j: sum of budgets <= (highest rate used) x (t_j - t_{i-1}) + 1,
-    where t_{i-1} is the previous tick (the first tick looks back one tick)."""
+    where t_{i-1} is the previous tick (the first tick looks back one tick) and
+    a slow-start tick uses the rate it ramps up to."""
     state = initial_state(params, now=T0)
     times, budgets, rates = [state.last_tick], [], []
     demand: Demand | None = None
@@ -718,7 +770,7 @@ def test_admissions_over_any_window_are_bounded_by_rate_times_window(
         )
         times.append(now)
         budgets.append(plan.budget)
-        rates.append(state.rate)
+        rates.append(plan.rate * plan.ramp)
         demand = full(plan.budget)
     for i in range(len(budgets)):
         for j in range(i, len(budgets)):
