@@ -759,11 +759,12 @@ def tick_budget(
         # a late tick catches up on the time since the last one, but never
         # releases faster than CATCH_UP x the rate over what is left of it
         pay = span if early or state.prepaid else min(elapsed, CATCH_UP * span)
-        if growth > 1.0 + 1e-9:
-            ramp = min(growth**pay, max(1.0, p.max_rate / state.rate))
+        # the ramp stops at max_rate; none when nothing is paid for or no room is left
+        ramp = min(growth**pay, p.max_rate / state.rate) if growth > 1.0 else 1.0
+        if ramp > 1.0 + 1e-9:
             raw = state.credit + state.rate * pay * (ramp - 1.0) / math.log(ramp)
         else:
-            raw = state.credit + state.rate * pay
+            ramp, raw = 1.0, state.credit + state.rate * pay
         whole = math.floor(raw)
         credit, capped = raw - whole, whole > room
         budget = min(whole, room)

@@ -193,6 +193,22 @@ def test_slow_start_ramps_only_while_it_grows() -> None:
     assert plan.ramp == 1.0
 
 
+def test_a_ramp_stops_at_max_rate_and_needs_time_to_pay_for() -> None:
+    # growth up to max_rate: no room to ramp, the tick releases evenly
+    top = replace(P, max_rate=30.0)
+    state = replace(initial_state(top, now=T0), rate=20.0)
+    state, plan = run(state, OutcomeWindow(accepted=20, accepted_fresh=20), full(20), params=top)
+    assert (state.rate, plan.ramp, plan.budget) == (30.0, 1.0, 30)
+    # part of the way: the ramp ends at max_rate
+    near = replace(P, max_rate=33.0)
+    state = replace(initial_state(near, now=T0), rate=20.0)
+    state, plan = run(state, OutcomeWindow(accepted=20, accepted_fresh=20), full(20), params=near)
+    assert pacer.ramp_rate(plan, plan.spacing_seconds * plan.budget) == pytest.approx(33.0)
+    # a growing tick that pays for no time (run again at once) releases nothing
+    state, plan = pacer.tick_budget(state, now=state.last_tick, inflight=0, params=P, growth=2.0)
+    assert (plan.budget, plan.ramp) == (0, 1.0)
+
+
 def test_slow_start_ends_at_no_more_than_the_rate_a_ramp_started_from() -> None:
     # a tick sent 48 jobs from 30/s on; 8 of them refused: slow start ends,
     # its ceiling at the 40/s accepted, the rate not above the tick's (the
