@@ -4,11 +4,13 @@ simulation and beside botocore's adaptive client rate limiter, in one run.
     apt-get install -y nginx-light                     # once: the limiter we did not write
     .venv/bin/python -m bench.real_scenarios           # ~9 minutes
     .venv/bin/python -m bench.real_scenarios --only drain,deepcut --no-peer
+    .venv/bin/python -m bench.real_scenarios --only S5 --pacing slow_start_factor=2
 
 Each scenario runs three ways, one after the other:
 
 * **pacerd**: the real daemon (``python -m pacerd run``, tick 1 s, the
-  default law) over a fresh ledger in PostgreSQL, two real worker processes
+  default law, or with the ``[pacing]`` keys given by ``--pacing``, which
+  the simulation takes too) over a fresh ledger in PostgreSQL, two real worker processes
   (``python -m pacerd worker --app bench.real_scenarios:app``: the worker
   library, prefetch 200, one HTTP call per job, 429 → ``Refused`` with its
   Retry-After) and RabbitMQ, calling an upstream over HTTP;
@@ -78,7 +80,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -110,6 +112,7 @@ class Plan:
     initial_rate: float
     backlog: int | None = None  # None: never runs dry
     penalty_seconds: float = 0.0  # model upstream: Retry-After and a penalty box
+    pacing: tuple[tuple[str, float | int], ...] = ()  # ``--pacing`` overrides, both pacerd and sim
 
     @property
     def key(self) -> str:
@@ -416,20 +419,24 @@ async def drive_capacity(plan: Plan, up: Upstream, t0: float, done: asyncio.Even
 
 def pacerd_env(dsn: str, plan: Plan, upstream_url: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PACERD_", "OTEL_"))}
-    return env | {
-        "PACERD_DATABASE__DSN": dsn,
-        "PACERD_BROKER__URL": AMQP_URL,
-        "PACERD_PACING__TICK_SECONDS": "1.0",
-        "PACERD_PACING__INITIAL_RATE": str(plan.initial_rate),
-        "PACERD_DAEMON__INSTANCE_NAME": "bench-real",
-        "PACERD_DAEMON__SHUTDOWN_GRACE_SECONDS": "2",
-        "PACERD_TELEMETRY__LOG_LEVEL": "warning",
-        "PACERD_TELEMETRY__LOG_FORMAT": "json",
-        "OTEL_TRACES_EXPORTER": "none",
-        "OTEL_METRICS_EXPORTER": "none",
-        "OTEL_LOGS_EXPORTER": "none",
-        "DEMO_UPSTREAMS": json.dumps({common.DESTINATION: upstream_url}),
-    }
+    return (
+        env
+        | {
+            "PACERD_DATABASE__DSN": dsn,
+            "PACERD_BROKER__URL": AMQP_URL,
+            "PACERD_PACING__TICK_SECONDS": "1.0",
+            "PACERD_PACING__INITIAL_RATE": str(plan.initial_rate),
+            "PACERD_DAEMON__INSTANCE_NAME": "bench-real",
+            "PACERD_DAEMON__SHUTDOWN_GRACE_SECONDS": "2",
+            "PACERD_TELEMETRY__LOG_LEVEL": "warning",
+            "PACERD_TELEMETRY__LOG_FORMAT": "json",
+            "OTEL_TRACES_EXPORTER": "none",
+            "OTEL_METRICS_EXPORTER": "none",
+            "OTEL_LOGS_EXPORTER": "none",
+            "DEMO_UPSTREAMS": json.dumps({common.DESTINATION: upstream_url}),
+        }
+        | {f"PACERD_PACING__{key.upper()}": str(value) for key, value in plan.pacing}
+    )
 
 
 def spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
@@ -600,6 +607,10 @@ def run_botocore(plan: Plan) -> Trace:
 # -- the simulation of the same scenario ----------------------------------------------
 
 
+def pacing_keys(plan: Plan) -> dict[str, Any]:
+    return dict(plan.pacing)
+
+
 def run_sim(plan: Plan, seed: int) -> Trace:
     for folder in (str(SIM_DIR.parent), str(SIM_DIR)):  # the shared fakes: ``support``
         if folder not in sys.path:
@@ -620,7 +631,7 @@ def run_sim(plan: Plan, seed: int) -> Trace:
         phases=tuple((float(s), float(c)) for s, c in plan.phases),
         burst_seconds=burst,
         penalty_seconds=plan.penalty_seconds or None,
-        params=replace(PacingParams(), initial_rate=plan.initial_rate),
+        params=replace(PacingParams(initial_rate=plan.initial_rate), **pacing_keys(plan)),
         ledgers=(simlib.LedgerSpec(backlog=plan.backlog),),
         latency_median=LATENCY_MS / 1000,
         latency_sigma=LATENCY_SIGMA,
@@ -652,7 +663,11 @@ async def measure(args: argparse.Namespace) -> str:
         raise SystemExit(
             "nginx is not installed: apt-get install -y nginx-light (or run with --no-nginx)"
         )
-    chosen = [p for p in plans(nginx) if not args.only or p.name in args.only.split(",")]
+    chosen = [
+        replace(p, pacing=args.pacing)
+        for p in plans(nginx)
+        if not args.only or p.name in args.only.split(",")
+    ]
     if not common.ensure_vhost(AMQP_URL):
         raise SystemExit(f"cannot create the RabbitMQ vhost {VHOST} (rabbitmqctl)")
     dsn = await common.fresh_ledger(DB)
@@ -682,6 +697,20 @@ async def measure(args: argparse.Namespace) -> str:
     return common.table(["scenario", "run", *COLUMNS, "load (1/5/15 min)"], rows)
 
 
+def pacing_override(text: str) -> tuple[str, float | int]:
+    """``KEY=VALUE`` of ``--pacing``: a numeric field of the law's parameters."""
+    from pacerd.pacer import PacingParams
+
+    key, sep, value = text.partition("=")
+    known = {f.name: f.default for f in fields(PacingParams) if f.name != "initial_rate"}
+    if not sep or key not in known:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, KEY one of {sorted(known)}")
+    try:
+        return key, int(value) if isinstance(known[key], int) else float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{key}: not a number: {value!r}") from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="scenario names, comma-separated")
@@ -689,7 +718,12 @@ def main() -> None:
     parser.add_argument("--no-peer", action="store_true", help="skip botocore")
     parser.add_argument("--seed", type=int, default=0, help="the simulation's seed")
     parser.add_argument("--json", default=None, help="write the figures to this file")
+    parser.add_argument(
+        "--pacing", type=pacing_override, action="append", default=[], metavar="KEY=VALUE",
+        help="a [pacing] key for pacerd and the simulation alike, e.g. slow_start_factor=2",
+    )  # fmt: skip
     args = parser.parse_args()
+    args.pacing = tuple(args.pacing)
     started = time.time()
     text = asyncio.run(measure(args))
     print(text)
