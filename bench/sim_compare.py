@@ -97,12 +97,12 @@ def main(argv: list[str] | None = None) -> int:
                 values = [m[metric] for m in by[(name, law)]]
                 if bounds:
                     shown = [b.worst(values) for b in bounds]
-                    ok = all(b.ok(v) for b, v in zip(bounds, shown, strict=True))
                     text = " / ".join(_fmt(v) for v in dict.fromkeys(shown))
+                    # the worst seed misses a bound exactly when some seed does
                     missed = sum(not all(b.ok(v) for b in bounds) for v in values)
-                    verdict = "ok" if ok else f"MISS ({missed} of {len(values)})"
+                    verdict = f"MISS ({missed} of {len(values)})" if missed else "ok"
                     cells.append(f"{text} {verdict}")
-                    misses += law == "pacerd" and not ok
+                    misses += law == "pacerd" and missed > 0
                 else:  # reported, not a target: the worst is the low end for rates
                     low = metric.startswith("util") or metric == "jain_min"
                     cells.append(_fmt(min(values) if low else max(values)))

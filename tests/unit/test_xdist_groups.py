@@ -29,7 +29,7 @@ def test_a_group_runs_on_one_worker(tmp_path: Path) -> None:
     (tmp_path / "test_grouped.py").write_text(SUITE)
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-v", "-n", "2", "--dist", "loadgroup",
-         "-p", "no:cacheprovider", "-p", "no:randomly", str(tmp_path)],
+         "-p", "no:cacheprovider", str(tmp_path)],
         cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
