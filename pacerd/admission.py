@@ -612,6 +612,7 @@ class DestinationAdmission:
         assert self.state is not None
         watched = plan.budget >= pacer.BRAKE_MIN_BUDGET and pacer.watches(self.state)
         clean = self._previous_row if watched else None
+        clean_at = self._window_since  # when ``clean`` was read
         next_brake = started + BRAKE_CHECK_SECONDS
         next_check = started  # the first release looks: the claim and the shift took time
         room = _Room(MAX_UNCONFIRMED)
@@ -641,7 +642,9 @@ class DestinationAdmission:
                         next_brake = self.clock.monotonic() + BRAKE_CHECK_SECONDS
                         # the outcomes heard left about a check's interval ago
                         heard = self.clock.monotonic() - started - BRAKE_CHECK_SECONDS
-                        clean, cut = await self._brake(clean, sent=pacer.ramp_rate(plan, heard))
+                        clean, clean_at, cut = await self._brake(
+                            clean, since=clean_at, sent=pacer.ramp_rate(plan, heard)
+                        )
                         if cut:
                             # The claims not yet sent go back and the rest of the
                             # tick is claimed afresh at the cut's epoch, evenly
@@ -704,31 +707,34 @@ class DestinationAdmission:
             fresh.stop()
         return fresh
 
-    async def _brake(self, clean: DestinationRow, *, sent: float) -> tuple[DestinationRow, bool]:
+    async def _brake(
+        self, clean: DestinationRow, *, since: float, sent: float
+    ) -> tuple[DestinationRow, float, bool]:
         """Mid-tick: whether the fresh outcomes heard since ``clean`` (the
         last reading before any fresh refusal since the tick began or the last
-        cut, so that they measure the upstream since it began refusing) made
-        the pacer cut the rate (``pacer.brake``, ``sent`` the rate the tick
-        released them at), with the reading to count from next time. A cut
-        is persisted at once, with its epoch, as at a tick's start; the next
-        tick's window starts there. A ledger that cannot answer changes
-        nothing."""
+        cut, read at ``since``, so that they measure the upstream since it
+        began refusing) made the pacer cut the rate (``pacer.brake``, ``sent``
+        the rate the tick released them at), with the reading to count from
+        next time and when it was read. A cut is persisted at once, with its
+        epoch, as at a tick's start; the next tick's window starts there. A
+        ledger that cannot answer changes nothing."""
         cfg = self.config
         assert self.state is not None
         try:
             row = await self.ledger.read_destination(cfg.destination)
         except LedgerError:
-            return clean, False
+            return clean, since, False
+        now = self.clock.monotonic()
         if row is None:
-            return clean, False
+            return clean, since, False
         if row.n_refused_fresh == clean.n_refused_fresh:
-            return row, False
-        window = counters_window(row, clean, interval_seconds=0.0)
+            return row, now, False
+        window = counters_window(row, clean, interval_seconds=now - since)
         cut = pacer.brake(self.state, window, cfg.params, sent=sent)
         if cut is None:
-            return clean, False
+            return clean, since, False
         self.state = cut
-        self._previous_row, self._window_since = row, self.clock.monotonic()
+        self._previous_row, self._window_since = row, now
         persisted = {**(row.pacer_state or {}), "pacer": cut.to_dict()}
         try:
             await self.ledger.save_pacer_state(cfg.destination, persisted, epoch=cut.epoch)
@@ -741,7 +747,7 @@ class DestinationAdmission:
             refused=window.refused_fresh,
             outcomes=window.accepted_fresh + window.refused_fresh,
         )
-        return row, True
+        return row, now, True
 
     async def _closed_meanwhile(self) -> bool:
         """Whether the destination closed since the claim (a pause, or a

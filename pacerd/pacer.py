@@ -18,10 +18,14 @@ The law, per destination:
   outcomes they came among, that is an episode too (a rate held a little over
   the capacity refuses a few calls every tick, never enough in one).
 - **Cut.** The capacity estimate is the accepted rate of what was sent,
-  ``sent * (1 - refused/outcomes)``; the rate is cut to ``estimate * (1 -
-  decrease_margin)``, and so is the remembered *ceiling*: every cut has that
-  proportional part, which is what brings senders sharing an upstream to equal
-  shares (their refusal counts, not their rates, set the rest of it). A mild
+  ``sent * (1 - excess/outcomes)``, where the excess is the refusals beyond
+  those that called the episode (``max(refusal_min_count, refusal_threshold
+  * outcomes)``: a trigger, not a measure; cut by them, every sender sharing
+  an upstream would lose the same jobs/s and their shares would never meet);
+  the rate is cut to ``estimate * (1 - decrease_margin)``, and so is the
+  remembered *ceiling*: every cut has that proportional part, which is what
+  brings senders sharing an upstream to equal shares (a larger sender hears
+  the refusals that call an episode sooner, so it is cut more often). A mild
   cut never goes under what the upstream accepted, in the window and on
   average alike (``delivered``), nor above what was sent: while refusals occur
   that is a lower bound of a bucket's refill rate, and bursts of prefetched
@@ -104,8 +108,12 @@ The law, per destination:
   (:func:`brake`). At least ``BRAKE_MIN_FACTOR * refusal_min_count`` fresh
   refusals making ``BRAKE_RATIO`` of them mean the rate is well over the
   capacity now: the rate is cut at once to ``rate * accepted share`` (never
-  under ``decrease_factor * rate``) and the rest of the tick is released at
-  the new rate. Only in slow start: its overshoot is of its own making, so
+  under ``decrease_factor * rate``), or to the accepted rate since the last
+  reading without a fresh refusal when that is lower and measured (at least
+  ``BRAKE_MIN_SPAN_S`` and ``BRAKE_MIN_ACCEPTED`` outcomes: while a bucket
+  refuses, it accepts its refill rate, while ``rate`` is the ramp's by now,
+  a round trip past the outcomes heard), and the rest of the tick is
+  released at the new rate. Only in slow start: its overshoot is of its own making, so
   the share measures the capacity; past it, a brake on a capacity drop or on
   a probe cut by a few dozen outcomes, too noisy an estimate to hold (the
   simulation's oscillation and fairness targets say so), and the tick's own
@@ -155,6 +163,8 @@ ACCUMULATE_S = 4.0  # time constant over which refusals under the threshold add 
 BRAKE_MIN_FACTOR = 2  # a mid-tick brake needs this many x refusal_min_count fresh refusals
 BRAKE_RATIO = 0.1  # ... making at least this share of the fresh outcomes heard mid-tick
 BRAKE_MIN_BUDGET = 10  # ticks with a smaller budget are not watched mid-tick (too few outcomes)
+BRAKE_MIN_SPAN_S = 0.1  # a brake's window measures the accepted rate over at least this long
+BRAKE_MIN_ACCEPTED = 20  # ... and this many accepted outcomes
 PEAK_S = 30.0  # time constant over which the rate before a heavy cut (the peak) is forgotten
 PEAK_GAP = 0.7  # a firm ceiling under this share of the peak: the capacity may come back
 PEAK_PROBE_RTTS = 2.0  # ... so the ladder probes after this many clean round trips
@@ -172,12 +182,12 @@ class PacingParams:
     max_rate: float = 10_000.0
     increase_step: float = 0.6  # jobs/s added per clean round trip (>= a tick)
     decrease_factor: float = 0.25  # deepest cut of one round trip
-    decrease_margin: float = 0.015  # cut to this fraction under the measured rate
+    decrease_margin: float = 0.04  # cut to this fraction under the measured rate
     refusal_threshold: float = 0.02
     max_inflight: int = 2000
     live_share: float = 0.4
     live_window_seconds: float = 60.0
-    slow_start_factor: float = 1.5  # growth per round trip before the first episode
+    slow_start_factor: float = 3.0  # growth per round trip before the first episode
     refusal_min_count: int = 2
     ceiling_resume_fraction: float = 0.9
 
@@ -557,7 +567,14 @@ def brake(
         return None
     share = (outcomes - refused + 0.5) / (outcomes + 1.0)
     sent = max(state.rate, sent or 0.0)
-    est = max(p.min_rate, sent * share)
+    est = sent * share
+    span = window.interval_seconds or 0.0
+    if span >= BRAKE_MIN_SPAN_S and window.accepted >= BRAKE_MIN_ACCEPTED:
+        # the outcomes heard left a round trip ago, at a lower point of the
+        # ramp than ``sent``; while the upstream refuses, what it accepts
+        # per second is its refill rate, whatever was sent
+        est = min(est, (window.accepted + 0.5) / span)
+    est = max(p.min_rate, est)
     rate = min(sent, max(est * (1.0 - p.decrease_margin), p.decrease_factor * sent))
     return _new_episode(
         state,
@@ -605,11 +622,20 @@ def _cut(
     p: PacingParams,
     accepted_rate: float = 0.0,
 ) -> PacerState:
-    est = max(p.min_rate, sent * (1.0 - refused / outcomes))
     # a window right after a brake is of jobs claimed at its rate: no mix of
     # outcomes from before and after a capacity change (the brake saw that)
     heavy = _heavy(refused, outcomes, p) and not state.braked
-    if not heavy:
+    if heavy:
+        est = max(p.min_rate, sent * (1.0 - refused / outcomes))
+    else:
+        # The refusals that called the episode (the bound the window had to
+        # reach) are its trigger, not a measure of the excess: cut by them,
+        # every sender sharing an upstream would lose the same jobs/s, a small
+        # one as much as a large one, and their shares would stay apart. The
+        # refusals beyond measure the excess; the margin is the cut's
+        # proportional part, which brings the senders to equal shares.
+        called = max(p.refusal_min_count, p.refusal_threshold * outcomes)
+        est = max(p.min_rate, sent * (1.0 - max(0.0, refused - called) / outcomes))
         # what the upstream accepted, in this window and on average alike (the
         # window alone may be a batch, the average alone may lag a drop), never
         # above what was sent, is a lower bound of its refill rate: refusals of

@@ -168,19 +168,21 @@ def test_a_growing_slow_start_tick_ramps_on_to_the_next_ticks_rate() -> None:
     state = replace(initial_state(P, now=T0), rate=20.0)
     state, plan = run(state, OutcomeWindow(accepted=20, accepted_fresh=20), full(20))
     f = P.slow_start_factor
+    rate = 20.0 * f  # the tick's rate, grown from 20
     assert plan.ramp == pytest.approx(f)
-    assert plan.budget == math.floor(30.0 * (f - 1.0) / math.log(f))  # 36, not 30
+    # the volume of a ramp from that rate to f times it over the tick, not the rate
+    assert plan.budget == math.floor(rate * (f - 1.0) / math.log(f))
     offsets = publish_offsets(plan, 0, plan.budget)
     gaps = [b - a for a, b in itertools.pairwise(offsets)]
     assert all(b < a for a, b in itertools.pairwise(gaps))  # ever closer together
-    assert gaps[0] == pytest.approx(1.0 / 30.0, rel=0.05)  # the tick's rate at its start
-    assert gaps[-1] == pytest.approx(1.0 / (30.0 * f), rel=0.05)  # the next tick's at its end
-    assert pacer.ramp_rate(plan, 0.0) == 30.0
-    assert pacer.ramp_rate(plan, plan.spacing_seconds * plan.budget) == pytest.approx(30.0 * f)
+    assert gaps[0] == pytest.approx(1.0 / rate, rel=0.05)  # the tick's rate at its start
+    assert gaps[-1] == pytest.approx(1.0 / (rate * f), rel=0.05)  # the next tick's at its end
+    assert pacer.ramp_rate(plan, 0.0) == rate
+    assert pacer.ramp_rate(plan, plan.spacing_seconds * plan.budget) == pytest.approx(rate * f)
     # the next tick, had it grown on: its rate is where the ramp ended
     window = OutcomeWindow(accepted=plan.budget, accepted_fresh=plan.budget)
     after, _ = run(state, window, full(plan.budget))
-    assert after.rate == pytest.approx(30.0 * f)
+    assert after.rate == pytest.approx(rate * f)
 
 
 def test_slow_start_ramps_only_while_it_grows() -> None:
@@ -383,10 +385,11 @@ def test_a_mild_cut_never_goes_under_what_the_upstream_accepted() -> None:
     assert after.epoch == 8
     assert after.rate == pytest.approx(95.0 * (1 - P.decrease_margin))
     assert after.ceiling == pytest.approx(95.0 * (1 - P.decrease_margin))
-    # a drop: the window accepted far less than the average (which lags it)
+    # a drop: the window accepted far less than the average (which lags it);
+    # the refusals beyond the two that called the episode measure the excess
     window = OutcomeWindow(accepted=60, refused=10, accepted_fresh=60, refused_fresh=10)
     after, _ = run(replace(state, delivered=99.0), window, full(100))
-    share = 100.0 * (1 - 10 / 70)
+    share = 100.0 * (1 - (10 - P.refusal_min_count) / 70)
     assert after.rate == pytest.approx(share * (1 - P.decrease_margin))
 
 
@@ -394,13 +397,38 @@ def test_a_mild_cut_never_goes_under_what_the_upstream_accepted() -> None:
 
 
 def test_an_episode_cuts_to_just_under_the_accepted_rate() -> None:
+    # 5 refusals in 100, 2 of them the episode's trigger: 3 % over the capacity
     window = OutcomeWindow(accepted=95, refused=5, accepted_fresh=95, refused_fresh=5)
     state, _ = run(at_ceiling(rate=100.0, ceiling=102.0), window, full(100))
-    assert state.rate == pytest.approx(95.0 * (1 - P.decrease_margin))
+    assert state.rate == pytest.approx(97.0 * (1 - P.decrease_margin))
+    assert state.rate < 95.0  # under what the upstream accepted
     # the remembered ceiling is just under the measure too: a proportional part
     # in every cut, which is what brings senders sharing an upstream together
-    assert state.ceiling == pytest.approx(95.0 * (1 - P.decrease_margin))
+    assert state.ceiling == pytest.approx(97.0 * (1 - P.decrease_margin))
     assert state.epoch == 8
+
+
+def test_senders_sharing_an_upstream_lose_the_same_share_at_the_trigger() -> None:
+    # two senders, 40/s and 80/s, each cut on the refusals that call an episode
+    # (the count floor): the same share off both, not the same jobs/s, which
+    # would take a larger share off the smaller one and hold their shares apart
+    called = P.refusal_min_count
+    small, large = at_ceiling(rate=40.0, ceiling=40.0), at_ceiling(rate=80.0, ceiling=80.0)
+    at_trigger = OutcomeWindow(
+        accepted=40 - called, refused=called, accepted_fresh=40 - called, refused_fresh=called
+    )
+    small_after, _ = run(small, at_trigger, full(40))
+    at_trigger = OutcomeWindow(
+        accepted=80 - called, refused=called, accepted_fresh=80 - called, refused_fresh=called
+    )
+    large_after, _ = run(large, at_trigger, full(80))
+    assert (small_after.epoch, large_after.epoch) == (8, 8)
+    assert small_after.rate / 40.0 == pytest.approx(large_after.rate / 80.0)
+    assert small_after.rate == pytest.approx(40.0 * (1 - P.decrease_margin))
+    # at an equal refusal ratio (5 %) the larger one loses the larger share
+    ratio = OutcomeWindow(accepted=76, refused=4, accepted_fresh=76, refused_fresh=4)
+    large_after, _ = run(large, ratio, full(80))
+    assert large_after.rate / 80.0 < small_after.rate / 40.0
 
 
 def test_refusals_under_the_count_floor_do_not_cut_but_hold() -> None:
@@ -418,8 +446,8 @@ def test_refusals_under_the_threshold_tick_after_tick_add_up_to_an_episode() -> 
     assert state.epoch == 7  # 1.8 in 53 once decayed: not yet
     state, _ = run(state, one, full(30))
     assert state.epoch == 8  # 2.4 in 72 (3.3 % >= refusal_threshold): an episode
-    share = 1 - 1 / 30  # what they measure
-    assert state.rate == pytest.approx(30.6 * share * (1 - P.decrease_margin), rel=0.01)
+    # they are the episode's trigger, no excess beyond it: the cut is the margin
+    assert state.rate == pytest.approx(30.6 * (1 - P.decrease_margin), rel=0.01)
     assert (state.acc_refused, state.acc_outcomes) == (0.0, 0.0)
 
 
@@ -440,6 +468,26 @@ def test_a_brake_cuts_mid_tick_to_the_accepted_share_and_ends_slow_start() -> No
     assert 95.0 <= cut.rate <= 105.0
     assert cut.ceiling is not None  # slow start is over
     assert (cut.epoch, cut.episode, cut.braked, cut.heavy) == (1, True, True, False)
+
+
+def test_a_brake_cuts_to_the_accepted_rate_when_the_ramp_ran_ahead_of_its_outcomes() -> None:
+    # the ramp is at 400/s by now, but the outcomes heard left when it was
+    # lower: 30 accepted and 6 refused over the 0.25 s since the last clean
+    # reading, a refill rate of about 120/s (400 x their share would be 330/s)
+    state = replace(initial_state(P, now=T0), rate=200.0)
+    heard = OutcomeWindow(accepted=30, accepted_fresh=30, refused_fresh=6, interval_seconds=0.25)
+    cut = pacer.brake(state, heard, P, sent=400.0)
+    assert cut is not None
+    assert cut.rate == pytest.approx(30.5 / 0.25 * (1 - P.decrease_margin))
+    # a window too short, or too few outcomes, to measure a rate: the share of what was sent
+    short = replace(heard, interval_seconds=pacer.BRAKE_MIN_SPAN_S / 2)
+    n = pacer.BRAKE_MIN_ACCEPTED - 1
+    few = OutcomeWindow(accepted=n, accepted_fresh=n, refused_fresh=6, interval_seconds=0.25)
+    for thin in (short, few):
+        cut = pacer.brake(state, thin, P, sent=400.0)
+        assert cut is not None
+        share = (thin.accepted_fresh + 0.5) / (thin.accepted_fresh + 7)
+        assert cut.rate == pytest.approx(400.0 * share * (1 - P.decrease_margin))
 
 
 def test_a_brake_needs_many_refusals_making_a_large_share_and_slow_start() -> None:
@@ -464,7 +512,8 @@ def test_no_cut_right_after_a_brake_is_heavy() -> None:
     after, _ = run(state, window, full(int(state.rate)))
     assert not after.heavy
     sent = state.rate
-    assert after.rate == pytest.approx(sent * (2 / 3) * (1 - P.decrease_margin), rel=0.01)
+    excess = (10 - P.refusal_min_count) / 30  # beyond the refusals that called it
+    assert after.rate == pytest.approx(sent * (1 - excess) * (1 - P.decrease_margin), rel=0.01)
     assert after.rate > P.decrease_factor * sent
 
 
@@ -490,16 +539,16 @@ def test_no_cut_goes_below_the_decrease_factor() -> None:
 
 
 def test_a_heavy_episode_is_refined_up_by_the_stale_outcomes_of_its_round_trip() -> None:
-    # capacity fell from 100/s to 30/s within the window: its estimate (66/s) is
+    # capacity fell from 100/s to 35/s within the window: its estimate (66/s) is
     # only a bound, so the rate drops to the floor ...
     window = OutcomeWindow(accepted=66, refused=34, accepted_fresh=66, refused_fresh=34)
     state, _ = run(at_ceiling(rate=100.0), window, full(100))
     assert state.rate == pytest.approx(25.0)
-    # ... and the outcomes of jobs sent at 100/s before the cut measure 30/s
-    stale = OutcomeWindow(accepted=30 + 15, refused=70, accepted_fresh=15)
+    # ... and the outcomes of jobs sent at 100/s before the cut measure 35/s
+    stale = OutcomeWindow(accepted=35 + 15, refused=65, accepted_fresh=15)
     state, _ = run(state, stale, full(25))
-    assert 25.0 < state.rate < 30.0
-    assert state.ceiling == pytest.approx(100.0 * 30.5 / 101.0)
+    assert 25.0 < state.rate < 35.0
+    assert state.ceiling == pytest.approx(100.0 * 35.5 / 101.0)
 
 
 def test_a_late_loop_that_released_less_than_the_rate_does_not_grow() -> None:
