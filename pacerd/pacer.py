@@ -113,8 +113,8 @@ The law, per destination:
   ``BRAKE_MIN_SPAN_S`` and ``BRAKE_MIN_ACCEPTED`` outcomes: while a bucket
   refuses, it accepts its refill rate, while ``rate`` is the ramp's by now,
   a round trip past the outcomes heard), and the rest of the tick is
-  released at the new rate. Only in slow start: its overshoot is of its own making, so
-  the share measures the capacity; past it, a brake on a capacity drop or on
+  released at the new rate. Only in slow start: its overshoot is of its own
+  making, so the share measures the capacity; past it, a brake on a capacity drop or on
   a probe cut by a few dozen outcomes, too noisy an estimate to hold (the
   simulation's oscillation and fairness targets say so), and the tick's own
   step decides. Slow start ends there, a round trip after its
@@ -482,7 +482,7 @@ def update_rate(
 
     f_ref = window.refused_fresh
     f_n = window.accepted_fresh + window.refused_fresh
-    episode = f_ref > 0 and f_ref >= max(p.refusal_min_count, p.refusal_threshold * f_n)
+    episode = f_ref > 0 and f_ref >= _calling(f_n, p)
     if state.episode or state.ceiling is None:
         state = replace(state, acc_refused=0.0, acc_outcomes=0.0)
     else:  # refusals under the threshold, tick after tick, add up (ACCUMULATE_S)
@@ -491,7 +491,7 @@ def update_rate(
         acc_n = state.acc_outcomes * keep + f_n
         state = replace(state, acc_refused=acc_ref, acc_outcomes=acc_n)
         if not episode and f_ref > 0:
-            episode = acc_ref >= max(p.refusal_min_count, p.refusal_threshold * acc_n)
+            episode = acc_ref >= _calling(acc_n, p)
             if episode:
                 f_ref, f_n = max(1, round(acc_ref)), max(1, round(acc_n))
     if state.episode:
@@ -610,6 +610,11 @@ def _new_episode(state: PacerState, **cut: float | bool) -> PacerState:
     )
 
 
+def _calling(outcomes: float, p: PacingParams) -> float:
+    """How many refusals among ``outcomes`` call a refusal episode."""
+    return max(p.refusal_min_count, p.refusal_threshold * outcomes)
+
+
 def _heavy(refused: int, outcomes: int, p: PacingParams) -> bool:
     return refused >= HEAVY_MIN_FACTOR * p.refusal_min_count and refused > HEAVY_RATIO * outcomes
 
@@ -628,14 +633,10 @@ def _cut(
     if heavy:
         est = max(p.min_rate, sent * (1.0 - refused / outcomes))
     else:
-        # The refusals that called the episode (the bound the window had to
-        # reach) are its trigger, not a measure of the excess: cut by them,
-        # every sender sharing an upstream would lose the same jobs/s, a small
-        # one as much as a large one, and their shares would stay apart. The
-        # refusals beyond measure the excess; the margin is the cut's
-        # proportional part, which brings the senders to equal shares.
-        called = max(p.refusal_min_count, p.refusal_threshold * outcomes)
-        est = max(p.min_rate, sent * (1.0 - max(0.0, refused - called) / outcomes))
+        # only the refusals beyond those that called the episode are its
+        # excess (the module docstring's **Cut**: shares of shared senders)
+        excess = max(0.0, refused - _calling(outcomes, p))
+        est = max(p.min_rate, sent * (1.0 - excess / outcomes))
         # what the upstream accepted, in this window and on average alike (the
         # window alone may be a batch, the average alone may lag a drop), never
         # above what was sent, is a lower bound of its refill rate: refusals of
