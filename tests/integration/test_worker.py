@@ -97,6 +97,15 @@ class Rig:
         assert count is not None
         return count
 
+    async def returned_count(self) -> int:
+        """The ready count once a closed channel's unacknowledged deliveries
+        are back: the quorum queue returns them a moment after the close, so
+        this waits for the first to show (under the caller's deadline); an
+        acknowledged offer never shows, and the deadline fails the test."""
+        while (ready := await self.ready_count()) == 0:
+            await anyio.sleep(0.02)
+        return ready
+
     async def state(self, job_id: str) -> Any:
         shown = await self.client.show(job_id)
         assert shown is not None
@@ -237,7 +246,7 @@ async def test_ack_only_after_the_outcome_is_confirmed(rig: Rig, amqp_url: str) 
             assert upstream.model.keys["job-once"] == 1
             job, _ = await rig.state("job-once")
             assert job.state is JobState.OFFERED
-            assert await rig.ready_count() == 1  # never acknowledged: back in the queue
+            assert await rig.returned_count() == 1  # never acknowledged: back in the queue
 
             worker_b = rig.worker(app)
             await run_until(worker_b, reported(1))
@@ -374,9 +383,9 @@ async def test_graceful_stop_finishes_within_grace_and_returns_the_rest(rig: Rig
             worker.request_stop()
             release.set()  # "quick" ends within the grace period, "stuck" never does
         assert await rig.apply(1) == 1
+        assert await rig.returned_count() == 1  # the abandoned offer, unacknowledged, is back
     stats: WorkerStats = worker.stats
     assert (stats.outcomes, stats.abandoned) == ({"ok": 1}, 1)
-    assert await rig.ready_count() == 1  # the abandoned offer, unacknowledged, is back
     assert (await rig.state("stuck"))[0].state is JobState.OFFERED
 
 
@@ -525,11 +534,7 @@ async def test_a_slow_handler_holds_back_neither_the_reports_nor_the_acks_of_oth
             assert worker.stats.inflight == 1
             assert await rig.apply(quick) == quick
             tg.cancel_scope.cancel()  # killed while "slow" runs
-        # "slow" alone, never acknowledged, comes back (the quorum queue
-        # returns a closed channel's deliveries a moment after the close)
-        while (ready := await rig.ready_count()) == 0:
-            await anyio.sleep(0.02)
-        assert ready == 1
+        assert await rig.returned_count() == 1  # "slow" alone, never acknowledged, comes back
         assert (await rig.state("slow"))[0].state is JobState.OFFERED
         release.set()
         await run_until(rig.worker(app), reported(1))
