@@ -36,7 +36,17 @@ The law, per destination:
   the window mixes outcomes from before and after a capacity change, so its
   estimate is only an upper bound: the rate drops to the floor and, while the
   stale outcomes of that round trip arrive, is raised back to just under what
-  they measure (never compounding: it only moves up). No cut goes below
+  they measure (never compounding: it only moves up). A ladder's probe can
+  make a window heavy too (its bursty refusals at a small bucket), with no
+  capacity change in it: its bound is then near the capacity it found. When
+  fewer than ``REFINE_MIN_OUTCOMES`` stale outcomes come before the first
+  fresh ones (a round trip far shorter than the tick: the window already
+  held them all), nothing refines such a floor: it regrows toward the bound
+  by ``REGROW`` per round trip, not by the additive step (a drop's floor,
+  whose bound mixes what came before the drop, climbs by the step). The cut
+  after a heavy one is never heavy: the floor it sent at is what its
+  refusals measure (a capacity that fell under it, or a small bucket's
+  noise), and a second floor would compound the first. No cut goes below
   ``decrease_factor * rate``.
 - **Increase.** Only on a clean window of a tick that used its whole budget (an
   idle or app-limited destination does not grow), that admitted at least
@@ -144,6 +154,8 @@ if TYPE_CHECKING:
 HEAVY_RATIO = 0.15  # refusal ratio above which a window's estimate is only a bound
 HEAVY_MIN_FACTOR = 2  # ... and it needs this many times refusal_min_count refusals
 REFINE_Z = 1.0  # a heavy cut is refined to one standard error under the measure
+REFINE_MIN_OUTCOMES = 10  # ... by at least this many stale outcomes, else it regrows
+REGROW = 1.5  # growth per round trip back toward an unrefined heavy cut's bound
 SOFT_FACTOR = 1.25  # an unconfirmed ceiling is taken as stale only this far above it
 STALE_HORIZON_S = 30.0  # horizon of the ceiling's error when testing it for staleness
 LIVE_PACE = 0.95  # live jobs are published at this fraction of the ceiling's pace
@@ -266,6 +278,7 @@ class PacerState:
     acc_refused: float = 0.0  # fresh refusals under the threshold, decayed (ACCUMULATE_S)
     acc_outcomes: float = 0.0  # ... and the fresh outcomes they were among
     peak: float = 0.0  # the rate before the last heavy cut, fading (PEAK_S)
+    regrow: bool = False  # a probe's heavy cut (no stale outcomes refined it: grow back)
     prepaid: bool = False  # the tick before was a reopening: it paid up to this tick
 
     def to_dict(self) -> dict[str, float | int | bool | None]:
@@ -501,7 +514,15 @@ def update_rate(
         if f_n == 0:
             return state
         rtt, seen = state.round_trip_s, state.since_cut_s
-        return replace(state, episode=False, round_trip_s=0.7 * rtt + 0.3 * seen if rtt else seen)
+        # a heavy cut whose window already held its round trip's outcomes
+        # (a round trip shorter than the tick) has nothing left to refine it
+        regrow = state.regrow and state.stale_outcomes < REFINE_MIN_OUTCOMES
+        return replace(
+            state,
+            episode=False,
+            round_trip_s=0.7 * rtt + 0.3 * seen if rtt else seen,
+            regrow=regrow,
+        )
     if episode and state.ceiling is None:
         # slow start ends on evidence, at what the upstream accepts: a couple of
         # refusals in a small sample may be a burst or another sender's probe
@@ -593,6 +614,7 @@ def _new_episode(state: PacerState, **cut: float | bool) -> PacerState:
     """``state`` after a cut (``cut``: its rate, ceiling and kind): a new
     epoch awaiting its first fresh outcomes, the evidence gathered under the
     old one forgotten."""
+    forgotten = {"regrow": False}  # unless the cut says otherwise
     return replace(
         state,
         epoch=state.epoch + 1,
@@ -606,7 +628,7 @@ def _new_episode(state: PacerState, **cut: float | bool) -> PacerState:
         clean_s=0.0,
         acc_refused=0.0,
         acc_outcomes=0.0,
-        **cut,  # type: ignore[arg-type]
+        **(forgotten | cut),  # type: ignore[arg-type]
     )
 
 
@@ -628,8 +650,14 @@ def _cut(
     accepted_rate: float = 0.0,
 ) -> PacerState:
     # a window right after a brake is of jobs claimed at its rate: no mix of
-    # outcomes from before and after a capacity change (the brake saw that)
-    heavy = _heavy(refused, outcomes, p) and not state.braked
+    # outcomes from before and after a capacity change (the brake saw that);
+    # nor is the next after a heavy cut: the floor it sent at is what its
+    # refusals measure (a floor over a capacity that fell further, or a small
+    # bucket's noise), and a second floor would compound the first
+    heavy = _heavy(refused, outcomes, p) and not state.braked and not state.heavy
+    # a ladder's probe overshot: the capacity it found is near its bound,
+    # unlike a drop's, whose window mixes what came before it
+    probe = heavy and state.ladder > 0
     if heavy:
         est = max(p.min_rate, sent * (1.0 - refused / outcomes))
     else:
@@ -654,6 +682,7 @@ def _cut(
         cut_from=sent,
         cut_bound=est,
         braked=False,
+        regrow=probe,
     )
 
 
@@ -737,7 +766,8 @@ def _grow(state: PacerState, dt: float, accepted_rate: float, p: PacingParams) -
         ladder = step  # the ceiling is stale: the upstream has grown
         rate += ladder
     elif rate < low and not state.firm:
-        rate = min(low, rate + 2.0 * step)
+        grown = rate * REGROW ** (dt / rtt) if state.regrow else rate
+        rate = min(low, max(rate + 2.0 * step, grown))
     elif rate < low:
         rate = min(low, rate + max(step, (low - rate) * min(1.0, dt / (2.0 * rtt))))
     elif rate < c:

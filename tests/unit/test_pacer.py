@@ -551,6 +551,70 @@ def test_a_heavy_episode_is_refined_up_by_the_stale_outcomes_of_its_round_trip()
     assert state.ceiling == pytest.approx(100.0 * 35.5 / 101.0)
 
 
+def _heavy_then_fresh(state: PacerState) -> tuple[PacerState, TickPlan, float]:
+    """A heavy window (16 refusals in 70) at 85/s, then a window of fresh
+    outcomes only: the round trip was far shorter than the tick, so every
+    outcome of the jobs sent before the cut was in the heavy window."""
+    window = OutcomeWindow(accepted=54, refused=16, accepted_fresh=54, refused_fresh=16)
+    state, plan = run(state, window, full(85))
+    bound = 85.0 * 54 / 70
+    assert state.heavy
+    assert (state.rate, state.ceiling) == pytest.approx((21.25, bound))  # the floor; a bound
+    state, plan = run(state, OutcomeWindow(accepted=21, accepted_fresh=21), full(plan.budget))
+    assert not state.episode
+    assert state.rate == pytest.approx(21.25)  # the first fresh window only ends the episode
+    return state, plan, bound
+
+
+def _clean_ticks(state: PacerState, plan: TickPlan, ticks: int) -> list[float]:
+    rates = []
+    for _ in range(ticks):
+        fresh = OutcomeWindow(accepted=plan.budget, accepted_fresh=plan.budget)
+        state, plan = run(state, fresh, full(plan.budget))
+        rates.append(state.rate)
+    return rates
+
+
+def test_a_probes_heavy_cut_left_unrefined_regrows_toward_its_bound_per_round_trip() -> None:
+    # a ladder probing from a ceiling of 30/s met the capacity at 85/s
+    probing = replace(at_ceiling(rate=85.0, ceiling=30.0), ladder=8.0)
+    state, plan, bound = _heavy_then_fresh(probing)
+    assert state.regrow
+    low = bound * (1.0 - P.decrease_margin)
+    # by half again per round trip up to just under the bound, then by the step
+    grown = [21.25 * pacer.REGROW, 21.25 * pacer.REGROW**2, low, low + P.increase_step]
+    assert _clean_ticks(state, plan, 4) == pytest.approx(grown)
+
+
+def test_a_drops_heavy_cut_left_unrefined_climbs_by_the_step() -> None:
+    # no probe: the capacity fell within the window, whose bound mixes before and after
+    state, plan, _ = _heavy_then_fresh(at_ceiling(rate=85.0, ceiling=85.0))
+    assert not state.regrow
+    steps = [21.25 + 2 * P.increase_step * k for k in (1, 2, 3)]
+    assert _clean_ticks(state, plan, 3) == pytest.approx(steps)
+
+
+def test_the_cut_after_a_heavy_cut_is_never_heavy() -> None:
+    # the capacity fell under the floor the heavy cut sent at: 6 of its 22
+    # fresh outcomes refused measure it; a second floor would compound the first
+    state, plan, _ = _heavy_then_fresh(at_ceiling(rate=85.0, ceiling=85.0))
+    again = OutcomeWindow(accepted=16, refused=6, accepted_fresh=16, refused_fresh=6)
+    assert pacer._heavy(6, 22, P)
+    state, plan = run(state, again, full(plan.budget))
+    assert not state.heavy
+    est = 21.25 * (1.0 - (6 - P.refusal_min_count) / 22)
+    assert state.rate == pytest.approx(est * (1.0 - P.decrease_margin))
+
+
+def test_a_probes_heavy_cut_refined_by_its_stale_outcomes_does_not_regrow() -> None:
+    window = OutcomeWindow(accepted=66, refused=34, accepted_fresh=66, refused_fresh=34)
+    state, plan = run(replace(at_ceiling(rate=100.0, ceiling=60.0), ladder=8.0), window, full(100))
+    assert state.heavy
+    stale = OutcomeWindow(accepted=35 + 15, refused=65, accepted_fresh=15)
+    state, plan = run(state, stale, full(plan.budget))
+    assert not state.regrow
+
+
 def test_a_late_loop_that_released_less_than_the_rate_does_not_grow() -> None:
     # the previous tick ran 4 s ago: the budget covered 2 s (missed ticks are
     # skipped), so 200 jobs left in 4 s at a rate of 100/s
