@@ -44,9 +44,10 @@ The law, per destination:
   held them all), nothing refines such a floor: it regrows toward the bound
   by ``REGROW`` per round trip, not by the additive step (a drop's floor,
   whose bound mixes what came before the drop, climbs by the step). The cut
-  after a heavy one is never heavy: the floor it sent at is what its
-  refusals measure (a capacity that fell under it, or a small bucket's
-  noise), and a second floor would compound the first. No cut goes below
+  that ends a heavy one's episode (its first fresh outcomes) is never heavy:
+  the floor it sent at is what their refusals measure (a capacity that fell
+  under it, or a small bucket's noise), and a second floor would compound
+  the first. No cut goes below
   ``decrease_factor * rate``.
 - **Increase.** Only on a clean window of a tick that used its whole budget (an
   idle or app-limited destination does not grow), that admitted at least
@@ -651,10 +652,12 @@ def _cut(
 ) -> PacerState:
     # a window right after a brake is of jobs claimed at its rate: no mix of
     # outcomes from before and after a capacity change (the brake saw that);
-    # nor is the next after a heavy cut: the floor it sent at is what its
-    # refusals measure (a floor over a capacity that fell further, or a small
-    # bucket's noise), and a second floor would compound the first
-    heavy = _heavy(refused, outcomes, p) and not state.braked and not state.heavy
+    # nor is one while a heavy cut awaits its first fresh outcomes: the floor
+    # it sent at is what their refusals measure (a floor over a capacity that
+    # fell further, or a small bucket's noise); a second floor would compound
+    # the first
+    heavy = _heavy(refused, outcomes, p) and not state.braked
+    heavy = heavy and not (state.heavy and state.episode)
     # a ladder's probe overshot: the capacity it found is near its bound,
     # unlike a drop's, whose window mixes what came before it
     probe = heavy and state.ladder > 0

@@ -594,10 +594,13 @@ def test_a_drops_heavy_cut_left_unrefined_climbs_by_the_step() -> None:
     assert _clean_ticks(state, plan, 3) == pytest.approx(steps)
 
 
-def test_the_cut_after_a_heavy_cut_is_never_heavy() -> None:
-    # the capacity fell under the floor the heavy cut sent at: 6 of its 22
-    # fresh outcomes refused measure it; a second floor would compound the first
-    state, plan, _ = _heavy_then_fresh(at_ceiling(rate=85.0, ceiling=85.0))
+def test_the_cut_that_ends_a_heavy_cuts_episode_is_never_heavy() -> None:
+    # the capacity fell under the floor the heavy cut sent at: 6 of the 22
+    # first fresh outcomes refused measure it; a second floor would compound the first
+    window = OutcomeWindow(accepted=54, refused=16, accepted_fresh=54, refused_fresh=16)
+    state, plan = run(at_ceiling(rate=85.0, ceiling=85.0), window, full(85))
+    assert (state.heavy, state.episode) == (True, True)
+    assert state.rate == pytest.approx(21.25)
     again = OutcomeWindow(accepted=16, refused=6, accepted_fresh=16, refused_fresh=6)
     assert pacer._heavy(6, 22, P)
     state, plan = run(state, again, full(plan.budget))
