@@ -10,7 +10,9 @@ statement whose rows are handed back to each caller. The number of
 statements a tick costs therefore does not grow with the number of
 destinations. The release slices' closed checks are served from one small
 snapshot (paused or cooling-down destinations, ``ClosedSnapshot``), begun
-at most ``CLOSED_CHECK_SECONDS`` before each check.
+at most ``CLOSED_CHECK_SECONDS`` before each check, or, while the ledger's
+notices are heard (``notices.py``), after the last notice and at most
+``NOTICED_CHECK_SECONDS`` before.
 
 It implements ``admission.AdmissionLedger``: the tick code is the same over
 this, over the plain ``Ledger`` and over the simulation's fakes.
@@ -57,6 +59,12 @@ MAX_ROUNDS = 8
 # How long a batch of marks, releases or saves waits for more (they are off
 # the release schedule: a few milliseconds later changes nothing).
 LAZY_WINDOW_SECONDS = 0.01
+# While the ledger's notices are heard, every pause, resume and cool-down is
+# noticed as it commits, so a closed-destinations snapshot stands until the
+# next notice (a cool-down's end is known in advance: it ends in the
+# snapshot); it is read again at least this often all the same, should the
+# listening session have died without a word (a cut network).
+NOTICED_CHECK_SECONDS = 1.0
 
 
 @dataclass(slots=True)
@@ -205,8 +213,12 @@ class Coalescer(Generic[_K, _R]):
 class _Snapshot:
     began: float  # when its statement was sent (Clock.monotonic)
     done: anyio.Event = field(default_factory=anyio.Event)
-    closed: frozenset[str] = frozenset()
+    until: dict[str, float] = field(default_factory=dict)  # closed until (monotonic; inf: paused)
     error: Exception | None = None
+
+    def closed(self, now: float) -> frozenset[str]:
+        """The destinations it says are closed at ``now`` (a cool-down ends in it)."""
+        return frozenset(name for name, until in self.until.items() if until > now)
 
 
 class ClosedSnapshot:
@@ -214,24 +226,33 @@ class ClosedSnapshot:
     every release slice that checks at about the same time.
 
     A check asked at time t is answered from a snapshot whose statement
-    began at or after t - ``max_age_seconds``: the last one if it is that
+    began at or after t - ``max_age_seconds`` (while ``noticed()`` says the
+    ledger's notices are heard: t - ``noticed_age_seconds``) and after the
+    last notice of a change (``changed``): the last one if it is that
     recent, else the one in flight if it began that recently, else the next
     one. What a caller waited for answers it, however long the event loop
     took to wake it (re-judging its age at wake-up sent a busy loop's
     waiters round again, each wake-up of a thousand of them for nothing).
-    A failed read fails the checks that waited for it."""
+    A snapshot holds when each cool-down in it ends, so an old one never
+    holds a destination closed past its cool-down (it ends a moment after
+    the ledger's end: counted from when the read returned). A failed read
+    fails the checks that waited for it."""
 
     def __init__(
         self,
-        read: Callable[[], Awaitable[frozenset[str]]],
+        read: Callable[[], Awaitable[Mapping[str, float | None]]],
         *,
         clock: Clock,
         max_age_seconds: float,
+        noticed_age_seconds: float = NOTICED_CHECK_SECONDS,
+        noticed: Callable[[], bool] = lambda: False,
         counts: Counter[str] | None = None,
     ) -> None:
         self._read = read
         self.clock = clock
         self.max_age_seconds = max_age_seconds
+        self.noticed_age_seconds = noticed_age_seconds
+        self.noticed = noticed
         self.statements = counts if counts is not None else Counter()
         self._last: _Snapshot | None = None  # the last one read without error
         self._reading: _Snapshot | None = None
@@ -243,18 +264,24 @@ class ClosedSnapshot:
         self._changed_at = self.clock.monotonic()
 
     async def __call__(self) -> frozenset[str]:
-        oldest = max(self.clock.monotonic() - self.max_age_seconds, self._changed_at)
+        age = self.noticed_age_seconds if self.noticed() else self.max_age_seconds
+        oldest = max(self.clock.monotonic() - age, self._changed_at)
         while True:
             last = self._last
             if last is not None and last.began >= oldest:
-                return last.closed
+                return last.closed(self.clock.monotonic())
             snapshot = self._reading
             if snapshot is None:
                 snapshot = self._reading = _Snapshot(began=self.clock.monotonic())
                 with anyio.CancelScope(shield=True):  # for the others, if this caller goes
                     try:
                         self.statements["closed_destinations"] += 1
-                        snapshot.closed = await self._read()
+                        closed = await self._read()
+                        read = self.clock.monotonic()
+                        snapshot.until = {
+                            name: math.inf if left is None else read + left
+                            for name, left in closed.items()
+                        }
                         self._last = snapshot
                     except Exception as exc:
                         snapshot.error = exc
@@ -266,7 +293,7 @@ class ClosedSnapshot:
             if snapshot.began >= oldest:  # else it began too early for this check: the next
                 if snapshot.error is not None:
                     raise snapshot.error
-                return snapshot.closed
+                return snapshot.closed(self.clock.monotonic())
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,7 +306,9 @@ class SharedLedger:
     """The admission ledger of the tick loop: one ``Ledger``, its statements
     shared by every destination ticking at the same time."""
 
-    def __init__(self, ledger: Ledger, *, clock: Clock) -> None:
+    def __init__(
+        self, ledger: Ledger, *, clock: Clock, noticed: Callable[[], bool] = lambda: False
+    ) -> None:
         self.ledger = ledger
         self.clock = clock
         self.statements: Counter[str] = Counter()  # statements run, by name (for the bench)
@@ -312,7 +341,7 @@ class SharedLedger:
         self._park = shared("park_destinations", self._park_many, lazy=True)
         self._closed = ClosedSnapshot(
             ledger.closed_destinations, clock=clock, max_age_seconds=CLOSED_CHECK_SECONDS,
-            counts=self.statements,
+            noticed=noticed, counts=self.statements,
         )  # fmt: skip
 
     # -- AdmissionLedger -----------------------------------------------------------
@@ -361,8 +390,10 @@ class SharedLedger:
 
     async def is_closed(self, destination: str) -> bool:
         """Paused or cooling down, as of a snapshot begun at most
-        ``CLOSED_CHECK_SECONDS`` before the check (one small statement for
-        everyone, ``ClosedSnapshot``)."""
+        ``CLOSED_CHECK_SECONDS`` before the check, or, while the ledger's
+        notices are heard, after the last one and at most
+        ``NOTICED_CHECK_SECONDS`` before (one small statement for everyone,
+        ``ClosedSnapshot``)."""
         closed = await self._closed()
         return "*" in closed or destination in closed
 

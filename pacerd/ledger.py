@@ -484,10 +484,16 @@ class Ledger:
         rows = await self._fetch("read_destination", list(destinations), now, inflight)
         return {r["destination"]: _destination_row(r) for r in rows}
 
-    async def closed_destinations(self, now: dt.datetime | None = None) -> frozenset[str]:
-        """The paused and cooling-down destinations ("*" when all are paused):
-        two small index scans, whatever the number of destinations."""
-        return frozenset(r["destination"] for r in await self._fetch("closed_destinations", now))
+    async def closed_destinations(self, now: dt.datetime | None = None) -> dict[str, float | None]:
+        """The paused and cooling-down destinations ("*" when all are paused),
+        each with the seconds its cool-down has left (None: paused, closed
+        until resumed): two small index scans, whatever the number of
+        destinations."""
+        closed: dict[str, float | None] = {}
+        for r in await self._fetch("closed_destinations", now):
+            name, left = r["destination"], r["left_seconds"]
+            closed[name] = None if left is None or closed.get(name, 0.0) is None else left
+        return closed
 
     async def is_closed(self, destination: str) -> bool:
         row = await self.read_destination(destination)

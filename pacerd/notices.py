@@ -9,10 +9,13 @@ paused or resumed; the payload is ``open NAME`` or ``closed NAME``, with
 which reopens a resumed destination at once and has its release slices look
 at the closed destinations again.
 
-Notices are a shortcut, never the only path: every tick reads its
-destination's state and the release slices poll the closed destinations, so
-a notice lost while the session was down costs only latency. The session is
-opened again after a loss, with a backoff.
+Every tick reads its destination's state whatever the notices say. While
+the session listens (``connected``), the release slices trust their
+snapshot of the closed destinations until a notice comes, reading it again
+at least once a second should the session have died without a word; while
+it does not, they poll the snapshot every few milliseconds
+(``batching.ClosedSnapshot``). The session is opened again after a loss,
+with a backoff, and everything is read again once it listens.
 """
 
 from __future__ import annotations

@@ -98,7 +98,11 @@ class TickLoop:
         notices: ControlNotices | None = None,
     ) -> None:
         self.ledger = ledger
-        self.shared = SharedLedger(ledger, clock=clock)
+        self.notices = notices  # pauses, resumes and cool-downs as they commit
+        # while they are heard, the release slices' closed checks need no polling
+        self.shared = SharedLedger(
+            ledger, clock=clock, noticed=lambda: notices is not None and notices.connected
+        )
         self.broker = broker
         self.publisher = SharedPublisher(broker)  # the admissions' releases, written together
         self.clock = clock
@@ -111,7 +115,6 @@ class TickLoop:
         self.tick_seconds = tick_seconds
         self.forget = forget
         self.grace_seconds = grace_seconds
-        self.notices = notices  # pauses, resumes and cool-downs as they commit
         if notices is not None:
             notices.on_notice = self.notice
         self.ended = anyio.Event()  # set when ``run`` has returned

@@ -259,13 +259,15 @@ WHERE d.wake_at <= coalesce($2::timestamptz, now())
   AND d.partition = ANY ($1::int[]);
 
 -- name: closed_destinations
--- The destinations paused or in a Retry-After cool-down now, and "*" when every destination is paused (small index scans).
-SELECT d.destination FROM pacerd.destinations d WHERE d.paused
-UNION
-SELECT d.destination FROM pacerd.destinations d
+-- The destinations paused (left: NULL) or in a Retry-After cool-down now (left: its seconds to go), and "*" when every destination is paused (small index scans).
+SELECT d.destination, NULL::float8 AS left_seconds FROM pacerd.destinations d WHERE d.paused
+UNION ALL
+SELECT d.destination,
+       extract(epoch FROM d.cooldown_until - coalesce($1::timestamptz, now()))::float8
+FROM pacerd.destinations d
 WHERE d.cooldown_until > coalesce($1::timestamptz, now())
-UNION
-SELECT '*' FROM pacerd.control c WHERE c.paused_all;
+UNION ALL
+SELECT '*', NULL FROM pacerd.control c WHERE c.paused_all;
 
 -- name: lock_parking
 -- Locks the destinations of $1 (name order) before parking them (see park_destinations).

@@ -710,6 +710,28 @@ async def test_refused_with_retry_after(ledger_: ledger.Ledger, sql: asyncpg.Con
     assert [j.job_id for j in await claim(ledger_, now=after + secs(121))] == ["a"]
 
 
+async def test_closed_destinations_say_how_long_each_cool_down_has_left(
+    ledger_: ledger.Ledger, sql: asyncpg.Connection
+) -> None:
+    """Cooling down: the seconds left (by the statement's clock, or the time
+    given); paused, also while cooling down: None (closed until resumed);
+    every destination paused: "*"."""
+    c = await offered_job(ledger_, sql, "a")
+    assert await report(sql, "a", c.attempt, "refused", retry_after_s=120.0) == "applied"
+    await sql.execute("SELECT pacerd.pause('p')")
+    closed = await ledger_.closed_destinations()
+    assert closed.keys() == {"d", "p"}
+    assert closed["p"] is None
+    assert 120.0 - 1.0 < (closed["d"] or 0.0) <= 120.0
+    later = await ledger_.closed_destinations(utcnow() + secs(100))
+    assert 20.0 - 1.0 < (later["d"] or 0.0) <= 20.0
+    assert await ledger_.closed_destinations(utcnow() + secs(121)) == {"p": None}
+    await sql.execute("SELECT pacerd.pause('d')")
+    assert await ledger_.closed_destinations() == {"d": None, "p": None}
+    await sql.execute("SELECT pacerd.pause(NULL)")
+    assert await ledger_.closed_destinations() == {"d": None, "p": None, "*": None}
+
+
 async def test_retry_after_never_moves_a_job_earlier_nor_shortens_a_cooldown(
     ledger_: ledger.Ledger, sql: asyncpg.Connection
 ) -> None:

@@ -139,15 +139,16 @@ class Snapshots:
         self.calls = 0
         self.gates: list[anyio.Event] = []
         self.fail = False
+        self.cooling: dict[str, float] = {}  # also closed: name -> seconds left
 
-    async def read(self) -> frozenset[str]:
+    async def read(self) -> dict[str, float | None]:
         self.calls += 1
         gate = anyio.Event()
         self.gates.append(gate)
         await gate.wait()
         if self.fail:
             raise RuntimeError("the read failed")
-        return frozenset({f"closed-{self.calls}"})
+        return {f"closed-{self.calls}": None, **self.cooling}
 
 
 async def settle() -> None:
@@ -280,6 +281,62 @@ async def test_the_reader_cancelled_mid_read_still_answers_the_others() -> None:
         await settle()
         reads.gates[0].set()
     assert answers == [frozenset({"closed-1"})]
+    assert reads.calls == 1
+
+
+async def read_now(snapshot: ClosedSnapshot, reads: Snapshots) -> frozenset[str]:
+    """A check that needs a read: the read released at once."""
+    answers: list[frozenset[str]] = []
+
+    async def check() -> None:
+        answers.append(await snapshot())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(check)
+        await settle()
+        reads.gates[-1].set()
+    return answers[0]
+
+
+async def test_while_notices_are_heard_a_snapshot_stands_until_a_notice() -> None:
+    """Every pause, resume and cool-down is noticed as it commits: the checks
+    read nothing more until one comes, or until the snapshot is
+    ``noticed_age_seconds`` old (the session may have died without a word);
+    without notices they read every ``max_age_seconds``."""
+    clock = ManualClock()
+    reads = Snapshots(clock)
+    heard = True
+    snapshot = ClosedSnapshot(
+        reads.read, clock=clock, max_age_seconds=0.02, noticed_age_seconds=1.0,
+        noticed=lambda: heard,
+    )  # fmt: skip
+    assert await read_now(snapshot, reads) == {"closed-1"}
+    for _ in range(9):
+        clock.advance(0.1)
+        assert await snapshot() == {"closed-1"}  # 0.9 s of checks: no read
+    assert reads.calls == 1
+    snapshot.changed()  # a notice: the next check reads
+    assert await read_now(snapshot, reads) == {"closed-2"}
+    clock.advance(1.01)  # nothing noticed for longer than the bound: read all the same
+    assert await read_now(snapshot, reads) == {"closed-3"}
+    heard = False  # the session lost: poll again
+    clock.advance(0.03)
+    assert await read_now(snapshot, reads) == {"closed-4"}
+    assert reads.calls == 4
+
+
+async def test_a_cool_down_ends_within_a_snapshot() -> None:
+    """A snapshot that stands for long never holds a destination closed past
+    the end its read gave (counted from when the read returned)."""
+    clock = ManualClock()
+    reads = Snapshots(clock)
+    reads.cooling = {"cooling": 0.5}
+    snapshot = ClosedSnapshot(reads.read, clock=clock, max_age_seconds=0.02, noticed=lambda: True)
+    assert await read_now(snapshot, reads) == {"closed-1", "cooling"}
+    clock.advance(0.49)
+    assert await snapshot() == {"closed-1", "cooling"}
+    clock.advance(0.02)
+    assert await snapshot() == {"closed-1"}  # its cool-down is over
     assert reads.calls == 1
 
 
