@@ -89,6 +89,7 @@ import asyncpg
 
 from bench import common
 from pacerd.config import ConfigError, load_config
+from pacerd.testing.upstream import PENALTY_THRESHOLD
 from pacerd_demo.app import build_app, upstreams_from_env
 
 if TYPE_CHECKING:
@@ -631,12 +632,17 @@ def run_sim(plan: Plan, seed: int) -> Trace:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
     burst = (NGINX_BURST + 1) / plan.phases[0][1] if plan.upstream == "nginx" else 0.1
+    penalty = plan.penalty_seconds or None
     sc = simlib.Scenario(
         name=plan.key,
         duration=float(plan.duration),
         phases=tuple((float(s), float(c)) for s, c in plan.phases),
         burst_seconds=burst,
-        penalty_seconds=plan.penalty_seconds or None,
+        # as the model upstream of ``ModelProcess`` does: a Retry-After on
+        # every 429, and its box closed by a burst of refusals, not the first
+        penalty_seconds=penalty,
+        retry_after=penalty is not None,
+        penalty_threshold=PENALTY_THRESHOLD if penalty else None,
         params=pacing_params(plan),
         ledgers=(simlib.LedgerSpec(backlog=plan.backlog),),
         latency_median=LATENCY_MS / 1000,

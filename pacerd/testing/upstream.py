@@ -49,6 +49,9 @@ if TYPE_CHECKING:
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 413: "Payload Too Large"}
 _REASONS |= {429: "Too Many Requests", 500: "Internal Server Error"}
 MAX_BODY_BYTES = 1 << 20
+# In penalty mode, refusals within the trailing second above this share of
+# the capacity (at least one) close the upstream for the penalty.
+PENALTY_THRESHOLD = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +94,7 @@ class UpstreamParams:
     retry_after: bool = False  # send Retry-After with 429s
     retry_after_date: bool = False  # ... as an HTTP date rather than delta-seconds
     penalty_seconds: float = 0.0  # lock-out after sustained over-capacity (0: off)
-    penalty_threshold: float = 0.1  # refusals in the trailing second, as a share of capacity
+    penalty_threshold: float = PENALTY_THRESHOLD  # refusals in the trailing second / capacity
     error_rate: float = 0.0  # share of accepted calls failing with 500
     latency_median_ms: float = 0.0  # lognormal latency of accepted calls (0: none)
     latency_sigma: float = 0.5

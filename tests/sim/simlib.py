@@ -8,8 +8,13 @@ synchronous and seeded:
 - a model **upstream**: a token bucket refilled at a scripted capacity C(t)
   (piecewise constant, jobs/s) holding at most ``burst_seconds x C(t)``
   tokens; a call that finds no token is refused (429), optionally with a
-  Retry-After. In *penalty* mode an overshoot closes the upstream for
-  ``penalty_seconds``: every call is refused, advertising the time left;
+  Retry-After: with ``retry_after`` every refusal advertises the wait for the
+  next token in whole seconds, at least 1 (as ``pacerd.testing.upstream``
+  does, the model the real runs and the demo call). In *penalty* mode an
+  overshoot closes the upstream for ``penalty_seconds``: every call is
+  refused, advertising the time left; the overshoot is the first refusal, or,
+  with ``penalty_threshold``, more refusals within a second than that share
+  of the capacity (at least 1), as the real model counts them;
 - a **worker pool** per instance: a published job reaches the upstream after
   a small broker delay (when a worker is free), holds the worker for a seeded
   lognormal latency (median 200 ms) and its outcome reaches the ledger after a
@@ -38,6 +43,7 @@ import heapq
 import itertools
 import math
 import random
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -162,7 +168,9 @@ class Scenario:
     duration: float
     phases: tuple[tuple[float, float], ...]  # (start second, capacity jobs/s)
     burst_seconds: float = 1.0
+    retry_after: bool = False  # every 429 advertises the wait for a token (>= 1 s)
     penalty_seconds: float | None = None
+    penalty_threshold: float | None = None  # None: the first refusal closes the box
     params: PacingParams = field(default_factory=PacingParams)
     ledgers: tuple[LedgerSpec, ...] = (LedgerSpec(),)
     instances: tuple[InstanceSpec, ...] = (InstanceSpec(),)
@@ -200,6 +208,9 @@ class Upstream:
         self.phases = sc.phases
         self.burst = sc.burst_seconds
         self.penalty = sc.penalty_seconds
+        self.threshold = sc.penalty_threshold
+        self.retry_after = sc.retry_after
+        self.recent: deque[float] = deque()  # refusals of the trailing second
         self.t = 0.0
         self.phase = 0
         self.cap = sc.phases[0][1]
@@ -221,14 +232,27 @@ class Upstream:
         """(accepted, retry_after_s) for a call arriving at ``t``."""
         self._advance(t)
         if t < self.closed_until:
-            return False, self.closed_until - t
+            left = self.closed_until - t
+            return False, float(math.ceil(left)) if self.retry_after else left
         if self.tokens >= 1.0:
             self.tokens -= 1.0
             return True, None
-        if self.penalty is not None:
+        if self.penalty is not None and self.threshold is None:
             self.closed_until = t + self.penalty
             return False, self.penalty
+        if self.penalty is not None and self._burst_of_refusals(t):
+            self.closed_until = t + self.penalty  # this call still says when a token comes
+        if self.retry_after:
+            wait = (1.0 - self.tokens) / self.cap if self.cap > 0 else 1.0
+            return False, float(max(1, math.ceil(wait)))
         return False, None
+
+    def _burst_of_refusals(self, t: float) -> bool:
+        recent, threshold = self.recent, self.threshold or 0.0
+        recent.append(t)
+        while recent[0] <= t - 1.0:
+            recent.popleft()
+        return len(recent) > max(1.0, threshold * self.cap)
 
 
 # ---------------------------------------------------------------------------

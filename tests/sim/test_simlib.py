@@ -73,6 +73,34 @@ def test_penalty_mode_closes_the_upstream_and_advertises_the_time_left() -> None
     assert up.call(10.2)[0]
 
 
+def test_every_refusal_can_say_when_the_next_token_comes_in_whole_seconds() -> None:
+    sc = Scenario(name="t", duration=60.0, phases=((0.0, 10.0),), burst_seconds=0.1,
+                  retry_after=True)  # fmt: skip
+    up = Upstream(sc)
+    assert up.call(0.0) == (True, None)  # the bucket's one token
+    assert up.call(0.01) == (False, 1.0)  # the next comes in 90 ms: at least a whole second
+    slow = Upstream(dataclasses.replace(sc, phases=((0.0, 0.25),), burst_seconds=4.0))
+    assert slow.call(0.0) == (True, None)
+    assert slow.call(0.5) == (False, 4.0)  # 3.5 s to the next token: rounded up
+
+
+def test_a_burst_of_refusals_over_the_threshold_closes_the_penalty_box() -> None:
+    """As the model upstream counts them: more refusals within the trailing
+    second than ``penalty_threshold`` of the capacity (at least one) close it
+    for ``penalty_seconds``; fewer do not."""
+    sc = Scenario(
+        name="t", duration=60.0, phases=((0.0, 20.0),), burst_seconds=0.05,
+        penalty_seconds=10.0, penalty_threshold=0.1, retry_after=True,
+    )  # fmt: skip
+    up = Upstream(sc)
+    assert up.call(0.0) == (True, None)
+    assert [up.call(0.001 * k)[0] for k in (1, 2)] == [False, False]  # two: at the threshold
+    assert not up.call(0.004)[0]  # the third within a second: over 0.1 x 20
+    accepted, retry_after = up.call(5.0)
+    assert (accepted, retry_after) == (False, 6.0)  # closed until 10.004: whole seconds
+    assert up.call(10.1)[0]
+
+
 def test_a_refused_job_keeps_its_place_in_line_or_waits_for_its_retry_after() -> None:
     led = SimLedger(LedgerSpec(backlog=3))
     first, second, third = _claim(led, 0.0, 3)
