@@ -47,8 +47,7 @@ The law, per destination:
   that ends a heavy one's episode (its first fresh outcomes) is never heavy:
   the floor it sent at is what their refusals measure (a capacity that fell
   under it, or a small bucket's noise), and a second floor would compound
-  the first. No cut goes below
-  ``decrease_factor * rate``.
+  the first. No cut goes below ``decrease_factor * rate``.
 - **Increase.** Only on a clean window of a tick that used its whole budget (an
   idle or app-limited destination does not grow), that admitted at least
   ``LOOP_SHARE`` of the rate over the time since the previous tick (a loop that
@@ -155,7 +154,7 @@ if TYPE_CHECKING:
 HEAVY_RATIO = 0.15  # refusal ratio above which a window's estimate is only a bound
 HEAVY_MIN_FACTOR = 2  # ... and it needs this many times refusal_min_count refusals
 REFINE_Z = 1.0  # a heavy cut is refined to one standard error under the measure
-REFINE_MIN_OUTCOMES = 10  # ... by at least this many stale outcomes, else it regrows
+REFINE_MIN_OUTCOMES = 10  # a probe's heavy cut refined by fewer stale outcomes regrows
 REGROW = 1.5  # growth per round trip back toward an unrefined heavy cut's bound
 SOFT_FACTOR = 1.25  # an unconfirmed ceiling is taken as stale only this far above it
 STALE_HORIZON_S = 30.0  # horizon of the ceiling's error when testing it for staleness
