@@ -220,6 +220,12 @@ class _Snapshot:
         """The destinations it says are closed at ``now`` (a cool-down ends in it)."""
         return frozenset(name for name, until in self.until.items() if until > now)
 
+    def closes(self, destination: str, now: float) -> bool:
+        """Whether it says ``destination`` is closed at ``now`` (a slice's
+        check: a lookup, whatever the number of closed destinations)."""
+        until = self.until
+        return until.get("*", -math.inf) > now or until.get(destination, -math.inf) > now
+
 
 class ClosedSnapshot:
     """The paused and cooling-down destinations, read by one statement for
@@ -264,12 +270,21 @@ class ClosedSnapshot:
         self._changed_at = self.clock.monotonic()
 
     async def __call__(self) -> frozenset[str]:
+        """The destinations closed now ("*": every one)."""
+        return (await self._snapshot()).closed(self.clock.monotonic())
+
+    async def closes(self, destination: str) -> bool:
+        """Whether ``destination`` is closed now (paused, every destination
+        paused, or cooling down)."""
+        return (await self._snapshot()).closes(destination, self.clock.monotonic())
+
+    async def _snapshot(self) -> _Snapshot:
         age = self.noticed_age_seconds if self.noticed() else self.max_age_seconds
         oldest = max(self.clock.monotonic() - age, self._changed_at)
         while True:
             last = self._last
             if last is not None and last.began >= oldest:
-                return last.closed(self.clock.monotonic())
+                return last
             snapshot = self._reading
             if snapshot is None:
                 snapshot = self._reading = _Snapshot(began=self.clock.monotonic())
@@ -293,7 +308,7 @@ class ClosedSnapshot:
             if snapshot.began >= oldest:  # else it began too early for this check: the next
                 if snapshot.error is not None:
                     raise snapshot.error
-                return snapshot.closed(self.clock.monotonic())
+                return snapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -394,8 +409,7 @@ class SharedLedger:
         notices are heard, after the last one and at most
         ``NOTICED_CHECK_SECONDS`` before (one small statement for everyone,
         ``ClosedSnapshot``)."""
-        closed = await self._closed()
-        return "*" in closed or destination in closed
+        return await self._closed.closes(destination)
 
     def closed_changed(self) -> None:
         """A notice that some destination opened or closed (``ClosedSnapshot.changed``)."""

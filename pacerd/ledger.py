@@ -492,7 +492,8 @@ class Ledger:
         closed: dict[str, float | None] = {}
         for r in await self._fetch("closed_destinations", now):
             name, left = r["destination"], r["left_seconds"]
-            closed[name] = None if left is None or closed.get(name, 0.0) is None else left
+            paused = name in closed and closed[name] is None
+            closed[name] = None if paused else left  # paused and cooling down: paused
         return closed
 
     async def is_closed(self, destination: str) -> bool:

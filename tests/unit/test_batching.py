@@ -139,7 +139,8 @@ class Snapshots:
         self.calls = 0
         self.gates: list[anyio.Event] = []
         self.fail = False
-        self.cooling: dict[str, float] = {}  # also closed: name -> seconds left
+        # also closed: name -> seconds its cool-down has left (None: paused)
+        self.cooling: dict[str, float | None] = {}
 
     async def read(self) -> dict[str, float | None]:
         self.calls += 1
@@ -326,6 +327,26 @@ async def test_a_cool_down_ends_within_a_snapshot() -> None:
     clock.advance(0.02)
     assert await snapshot() == {"closed-1"}  # its cool-down is over
     assert reads.calls == 1
+
+
+async def test_a_slices_check_looks_its_destination_up_and_every_destination_paused() -> None:
+    clock = ManualClock()
+    reads = Snapshots(clock)
+    reads.cooling = {"cooling": 0.5}
+    snapshot = ClosedSnapshot(reads.read, clock=clock, max_age_seconds=0.02, noticed=lambda: True)
+    assert await read_now(snapshot, reads) == {"closed-1", "cooling"}
+    checks = {name: await snapshot.closes(name) for name in ("closed-1", "cooling", "open")}
+    assert checks == {"closed-1": True, "cooling": True, "open": False}
+    clock.advance(0.51)
+    assert not await snapshot.closes("cooling")  # its cool-down is over
+    reads.cooling = {"*": None}
+    snapshot.changed()  # every destination paused: a notice
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(snapshot.closes, "open")
+        await settle()
+        reads.gates[-1].set()
+    assert await snapshot.closes("open")
+    assert reads.calls == 2
 
 
 async def test_callers_cancelled_before_the_statement_are_left_out_of_it() -> None:
