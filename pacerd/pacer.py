@@ -110,8 +110,18 @@ The law, per destination:
   penalty box costs at most that margin of the time. A Retry-After of at most
   ``SHORT_RETRY_AFTER_RTTS`` round trips (an API that sends one with every
   429: it says when the next token comes, not that a box closed) holds only
-  ``SHORT_HOLD_RTTS`` round trips; a capacity step up is then followed as
-  after any cut.
+  ``SHORT_HOLD_RTTS`` round trips, and its ceiling is firm (a step up is
+  then probed as after a mild cut; a rate refused under a firm ceiling is a
+  peak, as a heavy cut's). Refused again during that hold, at the rate it
+  reopened at, the bucket was empty at both Retry-Afters: its refill rate
+  lies between what it accepted since the first one over the time since
+  (the closure included: exact if the bucket stored what refilled while
+  the destination was closed) and the window's rate while open (exact if
+  it stored nothing). The ceiling is their geometric mean: too high, the
+  next reopening is refused again and narrows it; too low, the firm
+  ceiling is soon probed. A Retry-After that ends slow start reopens under
+  what the upstream accepted of its ramping tick, not under the rate the
+  ramp began at.
 - **Brake.** A tick's outcomes come back within the tick (a round trip is
   tens of milliseconds, a tick a second), so a tick whose budget is at least
   ``BRAKE_MIN_BUDGET`` looks at its fresh outcomes while it releases
@@ -279,6 +289,8 @@ class PacerState:
     acc_outcomes: float = 0.0  # ... and the fresh outcomes they were among
     peak: float = 0.0  # the rate before the last heavy cut, fading (PEAK_S)
     regrow: bool = False  # a probe's heavy cut (no stale outcomes refined it: grow back)
+    token_wait: bool = False  # the last cut was a short Retry-After's (a token is due)
+    since_wait_accepted: int = 0  # ... and the outcomes accepted since it
     prepaid: bool = False  # the tick before was a reopening: it paid up to this tick
 
     def to_dict(self) -> dict[str, float | int | bool | None]:
@@ -439,6 +451,7 @@ def update_rate(
         state = replace(state, delivered=state.delivered + w * (accepted_rate - state.delivered))
     state = replace(
         state,
+        since_wait_accepted=state.since_wait_accepted + window.accepted if state.token_wait else 0,
         # by the time really gone (a parked destination's drop is old news)
         peak=state.peak * math.exp(-max(0.0, now - state.last_tick) / PEAK_S),
         since_cut_s=state.since_cut_s + dt,
@@ -448,7 +461,8 @@ def update_rate(
     if window.retry_after_s is not None and window.refused_fresh > 0 and not state.cooling:
         retry_after = max(0.0, window.retry_after_s)
         rtt = max(p.tick_seconds, state.round_trip_s)
-        if retry_after <= SHORT_RETRY_AFTER_RTTS * rtt:
+        token_wait = retry_after <= SHORT_RETRY_AFTER_RTTS * rtt
+        if token_wait:
             # a Retry-After as short as a few round trips says when the next
             # token comes (an API that sends one with every 429), not a penalty
             # box: hold a few round trips, then probe as after any cut
@@ -458,11 +472,30 @@ def update_rate(
         est = max(delivered_before, accepted_rate) or state.rate
         if state.ceiling is not None and est > state.ceiling:
             est = max(state.ceiling, est * (1.0 - m))
+        if token_wait and state.token_wait and state.hold_s > 0 and state.since_cut_s > 0:
+            # refused again at the rate it reopened at: the bucket was empty
+            # at both Retry-Afters, so the refill rate lies between what it
+            # let through over the whole cycle (all, if the bucket held what
+            # refilled while closed) and the window's open rate (all, if it
+            # held nothing): the geometric mean of the two (the **Retry-After** cycle)
+            cycle = max(state.since_wait_accepted / state.since_cut_s, p.decrease_factor * est)
+            est = min(est, math.sqrt(cycle * est))
+        rate = state.rate
+        if state.ceiling is None and demand is not None and dt > 0:
+            # slow start's tick ramped past its rate: reopen under what the
+            # upstream accepted of it, not under the rate the ramp began at
+            rate = max(rate, min(est, demand.admitted / dt))
         state = replace(
             state,
+            rate=_clamp(rate, p),
             cooling=True,
             ceiling=max(p.min_rate, est),
-            firm=False,
+            # a token's wait is no penalty box: probe as after a mild cut (an
+            # estimate too high is refused again in the hold, and measured
+            # over its cycle), and a rate refused under a firm ceiling is a
+            # peak the capacity fell from, as a heavy cut's
+            firm=token_wait,
+            peak=max(state.peak, state.rate) if token_wait and state.firm else state.peak,
             epoch=state.epoch + 1,
             episode=False,
             saved=0.0,
@@ -471,6 +504,8 @@ def update_rate(
             since_cut_s=0.0,
             clean_s=0.0,
             hold_s=hold,
+            token_wait=token_wait,
+            since_wait_accepted=0,
         )
     if cooldown_remaining_s > 0:
         return state if state.cooling else replace(state, cooling=True)
@@ -614,7 +649,7 @@ def _new_episode(state: PacerState, **cut: float | bool) -> PacerState:
     """``state`` after a cut (``cut``: its rate, ceiling and kind): a new
     epoch awaiting its first fresh outcomes, the evidence gathered under the
     old one forgotten."""
-    forgotten = {"regrow": False}  # unless the cut says otherwise
+    forgotten = {"regrow": False, "token_wait": False}  # unless the cut says otherwise
     return replace(
         state,
         epoch=state.epoch + 1,
@@ -753,8 +788,10 @@ def _grow(state: PacerState, dt: float, accepted_rate: float, p: PacingParams) -
     if state.firm and rate >= c and state.hold_s <= 0:
         clean += dt
     # well under the rate of a recent drop, the capacity may come back at any
-    # time: probe sooner and in larger steps (a probe there costs little)
-    probe_rtts = PEAK_PROBE_RTTS if c < PEAK_GAP * state.peak else PROBE_RTTS
+    # time: probe sooner and in larger steps (a probe there costs little); so
+    # after a token's wait: its bucket refills while a probe's closure lasts
+    soon = c < PEAK_GAP * state.peak or state.token_wait
+    probe_rtts = PEAK_PROBE_RTTS if soon else PROBE_RTTS
     top = PEAK_LADDER_MAX if rate < PEAK_GAP * state.peak else LADDER_MAX
     if state.hold_s > 0:
         pass  # after a Retry-After: stay just under the remembered ceiling

@@ -690,6 +690,72 @@ def test_a_retry_after_of_a_few_round_trips_holds_only_a_few_round_trips() -> No
     assert state.rate > resumed  # growing again after a few round trips
 
 
+def test_refused_again_in_the_hold_of_a_token_wait_the_ceiling_is_bracketed_by_its_cycle() -> None:
+    # `Retry-After: 1` with every 429: the bucket was empty at both, so its
+    # refill rate lies between what it let through over the cycle, closure
+    # included (95 in 2 s), and the window's rate while open (95/s, which
+    # spent tokens stored while it was closed): the geometric mean
+    state = replace(at_ceiling(rate=100.0), delivered=100.0)
+    first = OutcomeWindow(accepted=90, refused=2, refused_fresh=2, retry_after_s=1.0)
+    state, plan = run(state, first, full(100), cooldown=1.0)
+    assert (state.cooling, state.token_wait, state.firm) == (True, True, True)
+    state, plan = run(state, EMPTY, Demand(budget=0))  # reopened
+    assert state.rate == pytest.approx(100.0 * P.ceiling_resume_fraction)
+    again = OutcomeWindow(accepted=95, refused=1, accepted_fresh=95, refused_fresh=1,
+                          retry_after_s=1.0)  # fmt: skip
+    cut, plan = run(state, again, full(plan.budget), cooldown=1.0)
+    window_rate = max(state.delivered, 95.0)
+    cycle = 95 / (state.since_cut_s + 1.0)  # 95 accepted since the first Retry-After
+    assert cut.ceiling is not None
+    assert cut.ceiling == pytest.approx(math.sqrt(cycle * window_rate))
+    assert cut.ceiling < 0.9 * window_rate
+    assert cut.peak >= 90.0  # the rate refused (at least): the capacity fell from it
+    state, plan = run(cut, EMPTY, Demand(budget=0))
+    assert state.rate == pytest.approx(cut.ceiling * P.ceiling_resume_fraction)
+    # past the hold, a Retry-After measures its window again (the rate grew
+    # meanwhile, so the refusal says nothing of the reopening)
+    for _ in range(int(pacer.SHORT_HOLD_RTTS) + 1):
+        window = OutcomeWindow(accepted=plan.budget, accepted_fresh=plan.budget)
+        state, plan = run(state, window, full(plan.budget))
+    assert state.hold_s == 0.0
+    window = replace(again, accepted=40, accepted_fresh=40)
+    later, _ = run(state, window, full(plan.budget), cooldown=1.0)
+    assert state.ceiling is not None
+    assert 40.0 < state.delivered < state.ceiling
+    assert later.ceiling == pytest.approx(state.delivered)  # the window's measure
+
+
+def test_a_token_wait_ending_slow_start_reopens_under_what_its_ramp_had_accepted() -> None:
+    # the tick began at 50/s and ramped to 150 jobs in its second: 90 accepted
+    state = replace(initial_state(P, now=T0), rate=50.0, delivered=40.0)
+    window = OutcomeWindow(accepted=90, refused=1, accepted_fresh=90, refused_fresh=1,
+                           retry_after_s=1.0)  # fmt: skip
+    state, _ = run(state, window, full(150), cooldown=1.0)
+    assert state.ceiling == pytest.approx(90.0)
+    state, _ = run(state, EMPTY, Demand(budget=0))  # reopened
+    assert state.rate == pytest.approx(90.0 * P.ceiling_resume_fraction)  # not 50 x 0.9
+
+
+@pytest.mark.parametrize(("token_wait", "probes"), [(True, True), (False, False)])
+def test_a_token_waits_firm_ceiling_is_probed_soon(token_wait: bool, probes: bool) -> None:
+    state = replace(at_ceiling(rate=100.0, ceiling=100.0), token_wait=token_wait)
+    for _ in range(int(pacer.PEAK_PROBE_RTTS) + 1):
+        window = OutcomeWindow(accepted=100, accepted_fresh=100)
+        state, _ = run(state, window, full(100))
+    assert (state.ladder > 0) is probes
+
+
+def test_a_penalty_boxs_retry_after_is_not_measured_over_its_cycle() -> None:
+    state = replace(at_ceiling(rate=100.0), delivered=100.0)
+    box = OutcomeWindow(accepted=90, refused=2, refused_fresh=2, retry_after_s=10.0)
+    state, plan = run(state, box, full(100), cooldown=10.0)
+    assert (state.token_wait, state.firm) == (False, False)
+    state, plan = run(state, EMPTY, Demand(budget=0))  # reopened
+    again = replace(box, accepted=95, accepted_fresh=95, refused=1, refused_fresh=1)
+    cut, _ = run(state, again, full(plan.budget), cooldown=10.0)
+    assert cut.ceiling == pytest.approx(max(state.delivered, 95.0))  # the window's measure
+
+
 # --- persistence --------------------------------------------------------------
 
 
