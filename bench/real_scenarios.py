@@ -15,7 +15,10 @@ Each scenario runs three ways, one after the other:
   library, prefetch 200, one HTTP call per job, 429 → ``Refused`` with its
   Retry-After) and RabbitMQ, calling an upstream over HTTP;
 * **sim**: the same scenario (capacity steps, bucket, penalty, starting rate,
-  backlog, seed) in the deterministic simulation of ``tests/sim``;
+  backlog, seed) in the deterministic simulation of ``tests/sim``, started
+  as the real run starts (ticks on the paused destination, then the
+  resume's notice at a phase of the ticks drawn from the seed), with the
+  real path's report delay and 429s answered at once;
 * **botocore**: ``botocore.retries.adaptive.ClientRateLimiter`` (CUBIC, as
   botocore's ``retry_mode = "adaptive"`` builds it) gating 16 threads that
   call the same upstream with the same backlog (a refused job goes back in
@@ -54,7 +57,9 @@ of it; ``drop ref%``: refused % while the capacity is cut; ``in RA``: releases
 inside an advertised Retry-After window (pacerd: claims in the ledger between
 a refusal with Retry-After reaching it and the window's end; botocore: calls
 sent between receiving such a 429 and its end); ``pen``: calls refused while
-the penalty box was closed. The load of the machine (``uptime``) is printed
+the penalty box was closed; ``lag_ms``: the median time from a call reaching
+the upstream to its outcome in the ledger (the k-th outcome against the k-th
+call; pacerd and the simulation). The load of the machine (``uptime``) is printed
 with the results: on shared cores, compare pacerd with botocore within a run.
 
 Environment: ``BENCH_ADMIN_DSN`` (see ``bench/common.py``); the RabbitMQ
@@ -73,6 +78,7 @@ import logging
 import math
 import os
 import queue
+import random
 import shutil
 import socket
 import subprocess
@@ -103,6 +109,11 @@ VHOST = "pacerd-bench-real"
 AMQP_URL = urlunsplit(urlsplit(common.AMQP_URL)._replace(path=f"/{VHOST}"))
 SIM_DIR = common.ROOT / "tests" / "sim"
 LATENCY_MS, LATENCY_SIGMA = 20.0, 0.35  # 10 to 40 ms per call
+# From a call's answer to its outcome in the ledger through the worker library,
+# the broker and the outcome consumer: ~3 ms on a quiet machine (the runs'
+# ``lag_ms`` is this plus the latency); the simulation's default is 100 ms
+REPORT_DELAY_MS = 3.0
+PAUSED_TICKS = 2  # the simulated daemon's ticks on the paused destination before the resume
 WORKERS = 2
 PEER_THREADS = 16
 NGINX_RATE, NGINX_BURST = 120.0, 10
@@ -174,6 +185,8 @@ class Trace:
     in_ra: float = math.nan  # releases inside an advertised Retry-After window
     # pacerd's persisted pacer state every 0.25 s: (s after the start, rate, ceiling, epoch)
     pacer: list[tuple[float, float, float | None, int]] = field(default_factory=list)
+    # when the ledger applied each outcome, s after the start (pacerd and the simulation)
+    outcome_t: list[float] = field(default_factory=list)
 
 
 def per_second(tr: Trace) -> list[tuple[int, int]]:
@@ -242,7 +255,19 @@ def metrics(plan: Plan, tr: Trace) -> dict[str, float]:
         out["rise90_s"] = float(rise) + 1.0  # the end of the first good second
     out["in_ra"] = tr.in_ra
     out["pen"] = float(tr.penalty) if plan.penalty_seconds else math.nan
+    out["lag_ms"] = outcome_lag(tr)
     return out
+
+
+def outcome_lag(tr: Trace) -> float:
+    """The median time from a call's arrival at the upstream to its outcome
+    in the ledger, in ms: the k-th outcome applied against the k-th call (the
+    horizontal gap between the two cumulative counts; no job is followed).
+    NaN when the trace has no outcome times (botocore)."""
+    if not tr.outcome_t:
+        return math.nan
+    gaps = sorted(o - c for c, o in zip(sorted(tr.t), sorted(tr.outcome_t), strict=False))
+    return 1000.0 * gaps[len(gaps) // 2]
 
 
 # -- upstreams ----------------------------------------------------------------------
@@ -500,11 +525,22 @@ async def run_pacerd(dsn: str, plan: Plan) -> Trace:
         tr = await asyncio.to_thread(trace_from, up, t0, end)
         tr.pacer = states
         tr.in_ra = float(await releases_in_retry_after(conn))
+        tr.outcome_t = await outcomes_applied(conn, t0)
         return tr
     finally:
         await asyncio.gather(*(asyncio.to_thread(common.stop_process, p) for p in procs))
         await asyncio.to_thread(up.close)
         await conn.close()
+
+
+async def outcomes_applied(conn: asyncpg.Connection, t0: float) -> list[float]:
+    """When the ledger applied each outcome (its event's commit), s after ``t0``."""
+    rows = await conn.fetch(
+        "SELECT extract(epoch FROM at)::float8 AS at FROM pacerd.job_events"
+        " WHERE event IN ('completed', 'refused', 'retry', 'dead', 'stale_report')"
+        " ORDER BY at"
+    )
+    return [r["at"] - t0 for r in rows]
 
 
 async def releases_in_retry_after(conn: asyncpg.Connection) -> int:
@@ -633,10 +669,14 @@ def run_sim(plan: Plan, seed: int) -> Trace:
 
     burst = (NGINX_BURST + 1) / plan.phases[0][1] if plan.upstream == "nginx" else 0.1
     penalty = plan.penalty_seconds or None
+    # As the real run starts: the daemon ticks on a paused destination, which
+    # the resume's notice reopens at a phase of its ticks that no run
+    # chooses (drawn from the seed); times are then counted from the resume.
+    resume = PAUSED_TICKS + random.Random(f"resume/{seed}").random()
     sc = simlib.Scenario(
         name=plan.key,
-        duration=float(plan.duration),
-        phases=tuple((float(s), float(c)) for s, c in plan.phases),
+        duration=resume + plan.duration,
+        phases=tuple((resume * (s > 0) + s, float(c)) for s, c in plan.phases),
         burst_seconds=burst,
         # as the model upstream of ``ModelProcess`` does: a Retry-After on
         # every 429, and its box closed by a burst of refusals, not the first
@@ -644,13 +684,16 @@ def run_sim(plan: Plan, seed: int) -> Trace:
         retry_after=penalty is not None,
         penalty_threshold=PENALTY_THRESHOLD if penalty else None,
         params=pacing_params(plan),
-        ledgers=(simlib.LedgerSpec(backlog=plan.backlog),),
+        ledgers=(simlib.LedgerSpec(backlog=plan.backlog, paused_until=resume),),
         latency_median=LATENCY_MS / 1000,
         latency_sigma=LATENCY_SIGMA,
+        report_delay_median=REPORT_DELAY_MS / 1000,
+        refusal_latency=False,  # the model upstream and nginx answer a 429 at once
     )
     res = simdriver.run(sc, "pacerd", seed)
-    tr = Trace(t=list(res.call_t), ok=list(res.call_ok), end=sc.duration)
-    windows = sorted(res.ra_windows)
+    tr = Trace(t=[t - resume for t in res.call_t], ok=list(res.call_ok), end=plan.duration)
+    tr.outcome_t = [t - resume for t in res.report_t]
+    windows = sorted(res.ra_windows)  # the count needs no shift
     tr.in_ra = float(sum(1 for t in res.dispatch_t if any(a < t < b for a, b in windows)))
     if plan.penalty_seconds:
         tr.penalty = sum(1 for t, ok in zip(tr.t, tr.ok, strict=True) if not ok) - sum(
@@ -662,7 +705,7 @@ def run_sim(plan: Plan, seed: int) -> Trace:
 # -- the run --------------------------------------------------------------------------
 
 COLUMNS = ("util", "ref_pct", "steady_ref_pct", "t90_s", "peak", "rec85_s", "rise90_s",
-           "drop_ref_pct", "in_ra", "pen")  # fmt: skip
+           "drop_ref_pct", "in_ra", "pen", "lag_ms")  # fmt: skip
 
 
 def uptime() -> str:

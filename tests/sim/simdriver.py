@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -47,6 +48,9 @@ if TYPE_CHECKING:
 
     from pacerd.models import JobRef
     from pacerd.pacer import Demand, OutcomeWindow, PacerState, TickPlan
+
+
+START, STOP, RESUME = range(3)
 
 
 def destination_name(ledger: int) -> str:
@@ -115,7 +119,7 @@ class SimAdmissionLedger:
         cooldown = led.cooldown_until
         return DestinationRow(
             destination=destination,
-            paused=False,
+            paused=t < led.spec.paused_until,
             paused_all=False,
             cooldown_until=EPOCH_AT + dt.timedelta(seconds=cooldown)
             if cooldown > -math.inf
@@ -213,12 +217,15 @@ def run(sc: Scenario, law: Law | str, seed: int) -> RunResult:
 async def _run(sc: Scenario, law: Law, seed: int) -> RunResult:
     world = World(sc, law.name, seed)
     time = SimTime()
-    # instance starts and stops, in time order: (t, 0 = start / 1 = stop, instance)
+    # instance starts and stops and resumes of paused ledgers, in time order:
+    # (t, START / STOP / RESUME, instance or ledger)
     controls = sorted(
-        [(spec.start, 0, i) for i, spec in enumerate(sc.instances)]
-        + [(spec.stop, 1, i) for i, spec in enumerate(sc.instances) if spec.stop is not None]
+        [(spec.start, START, i) for i, spec in enumerate(sc.instances)]
+        + [(spec.stop, STOP, i) for i, spec in enumerate(sc.instances) if spec.stop is not None]
+        + [(spec.paused_until, RESUME, j) for j, spec in enumerate(sc.ledgers) if spec.paused_until]
     )
     stops = [anyio.Event() for _ in sc.instances]
+    admissions: dict[int, DestinationAdmission] = {}  # each started instance's
     duration = sc.duration
     blocked = trio.testing.wait_all_tasks_blocked
     flush, advance, next_wake, wake = world.flush, world.advance, time.next_wake, time.wake
@@ -239,20 +246,23 @@ async def _run(sc: Scenario, law: Law, seed: int) -> RunResult:
                 wake(until)
                 continue
             time.t = control
-            _, stop, i = controls[k]
+            _, kind, i = controls[k]
             k += 1
             control = controls[k][0] if k < len(controls) else math.inf
-            if stop:
+            if kind == STOP:
                 stops[i].set()
+            elif kind == RESUME:  # the ledger's notice: its leaders reopen now
+                for n, admission in admissions.items():
+                    if sc.instances[n].ledger == i:
+                        admission.wake()
             else:
-                nursery.start_soon(_instance, sc, law, i, world, time, stops[i])
+                admissions[i] = _admission(sc, law, i, world, time)
+                nursery.start_soon(partial(run_destination, admissions[i], stop=stops[i]))
         nursery.cancel_scope.cancel()
     return world.finish()
 
 
-async def _instance(
-    sc: Scenario, law: Law, i: int, world: World, time: SimTime, stop: anyio.Event
-) -> None:
+def _admission(sc: Scenario, law: Law, i: int, world: World, time: SimTime) -> DestinationAdmission:
     spec = sc.instances[i]
     ledger = world.ledgers[spec.ledger]
     probe = TickProbe(law, i, time, world.res.ticks)
@@ -275,4 +285,4 @@ async def _instance(
         ),
         law=probe,
     )
-    await run_destination(admission, stop=stop)
+    return admission

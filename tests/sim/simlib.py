@@ -18,7 +18,10 @@ synchronous and seeded:
 - a **worker pool** per instance: a published job reaches the upstream after
   a small broker delay (when a worker is free), holds the worker for a seeded
   lognormal latency (median 200 ms) and its outcome reaches the ledger after a
-  seeded lognormal report delay;
+  seeded lognormal report delay; a refusal takes the latency too, or, with
+  ``refusal_latency`` off, is answered at once as the model upstream answers
+  it (its worker is still held for the drawn latency: with 200 workers the
+  pool is never what binds);
 - a **ledger** per destination (``SimLedger``): the jobs' states, the due
   backlog ordered by ``next_attempt_at`` (an endless or a finite overdue
   backlog, live jobs arriving as a Poisson process), the claim with its live
@@ -160,6 +163,10 @@ class InstanceSpec:
 class LedgerSpec:
     backlog: int | None = None  # overdue backlog jobs at t=0 (None: never runs dry)
     live_rate: float = 0.0  # live jobs arriving per second (Poisson)
+    # paused until then (``pacerd.pause``), resumed with the ledger's notice,
+    # which wakes the instances leading it (a reopening tick), as a real
+    # daemon started on a paused destination sees the resume
+    paused_until: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -179,6 +186,7 @@ class Scenario:
     latency_sigma: float = 0.5
     report_delay_median: float = 0.1
     report_delay_sigma: float = 0.5
+    refusal_latency: bool = True  # a refused call takes the latency too (else: answered at once)
     broker_delay: float = 0.003
 
     def capacity_at(self, t: float) -> float:
@@ -466,6 +474,7 @@ class RunResult:
     ticks: list[TickRecord] = field(default_factory=list)
     dispatch_t: list[float] = field(default_factory=list)
     ra_windows: list[tuple[float, float]] = field(default_factory=list)
+    report_t: list[float] = field(default_factory=list)  # when each outcome reached the ledger
     live_waits: list[float] = field(default_factory=list)
     drained_at: float | None = None
 
@@ -551,7 +560,7 @@ class World:
             res.call_ok,
             res.call_live,
         )
-        instances, ledgers = sc.instances, self.ledgers
+        instances, ledgers, report_t = sc.instances, self.ledgers, res.report_t
         while events and events[0][0] <= until:
             t, _, kind, a, b = heappop(events)
             if kind == ARR:
@@ -560,13 +569,15 @@ class World:
                 call_inst.append(a)
                 call_ok.append(ok)
                 call_live.append(b.lane_live)
-                rep = t + b.latency + exp(rep_mu + rep_sig * gauss(0.0, 1.0))
-                heappush(events, (rep, next(counter), REP, a, (b, b.attempt, ok, ra)))
+                answered = t + b.latency if ok or sc.refusal_latency else t
+                rep = answered + exp(rep_mu + rep_sig * gauss(0.0, 1.0))
+                heappush(events, (rep, next(counter), REP, a, (b, b.attempt, ok, ra, t)))
             elif kind == REP:
-                job, attempt, ok, ra = b
+                job, attempt, ok, ra, called = b
+                report_t.append(t)
                 led = ledgers[instances[a].ledger]
                 if led.report(job, attempt, t, ok, ra) and ra is not None:
-                    res.ra_windows.append((t, t - job.latency + ra))  # visible .. advertised end
+                    res.ra_windows.append((t, called + ra))  # visible .. advertised end
             else:  # LIVE
                 led = ledgers[a]
                 led.add_live(t)

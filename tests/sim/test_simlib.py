@@ -260,3 +260,33 @@ def test_the_ideal_drain_time_nets_out_the_live_load() -> None:
     # 28,500 jobs in the first 300 s (100 - 5/s), 7,500 in the next 300 s
     # (30 - 5/s), the last 4,000 at 75/s
     assert ideal_drain_seconds(SCENARIOS["S4"]) == pytest.approx(600.0 + 4000.0 / 75.0)
+
+
+def test_a_paused_ledger_is_released_from_when_its_resume_wakes_the_instance() -> None:
+    # ticks at 0, 1, 2 find it paused; the resume at 2.5 reopens it at once
+    base = SCENARIOS["S5"]
+    sc = dataclasses.replace(
+        base, duration=6.0, ledgers=(LedgerSpec(backlog=None, paused_until=2.5),),
+        params=dataclasses.replace(base.params, initial_rate=20.0),
+    )  # fmt: skip
+    res = run(sc, "pacerd", 0)
+    assert res.dispatch_t
+    assert min(res.dispatch_t) >= 2.5
+    assert min(res.dispatch_t) < 2.6  # not at the next tick (3.0)
+    reopening = next(r for r in res.ticks if r.budget > 0)
+    assert reopening.t == pytest.approx(2.5)
+    assert reopening.span == pytest.approx(0.5)  # the rest of its tick
+
+
+@pytest.mark.parametrize("refusal_latency", [True, False])
+def test_a_refusal_reaches_the_ledger_after_the_latency_or_at_once(refusal_latency: bool) -> None:
+    sc = dataclasses.replace(
+        SCENARIOS["S5"], duration=20.0, retry_after=True, refusal_latency=refusal_latency,
+        latency_median=0.5, latency_sigma=0.01, report_delay_median=0.001,
+        report_delay_sigma=0.01,
+    )  # fmt: skip
+    res = run(sc, "pacerd", 0)
+    assert res.ra_windows
+    for visible, ends in res.ra_windows:  # a Retry-After of 1 s at 100/s: called = ends - 1
+        delay = visible - (ends - 1.0)
+        assert (delay > 0.4) is refusal_latency
