@@ -207,6 +207,7 @@ class _Publishing:
     timed_out: bool = False
     stopped: bool = False
     closed: bool = False
+    closed_after: float = 0.0  # when closed: seconds after the tick's start it was heard
     claimed: int = 0  # every job the tick claimed (a mid-tick cut claims again)
     cut_released: int = 0  # claims a mid-tick cut gave back unsent
     marking: bool = False  # a mark statement in flight (one at a time)
@@ -505,6 +506,8 @@ class DestinationAdmission:
             admitted=admitted,
             backlog_empty=admitted < plan.budget,
             inflight_capped=plan.inflight_capped,
+            open_seconds=outcome.closed_after if outcome.closed else None,
+            sent=len(outcome.confirmed),
         )
         result = TickResult(
             destination=dest,
@@ -635,6 +638,7 @@ class DestinationAdmission:
                     if self.clock.monotonic() >= next_check:
                         next_check = self.clock.monotonic() + CLOSED_CHECK_SECONDS
                         outcome.closed = await self._closed_meanwhile()
+                        outcome.closed_after = self.clock.monotonic() - started
                     if outcome.closed or (self.stop is not None and self.stop.is_set()):
                         outcome.stopped = not outcome.closed
                         break

@@ -121,7 +121,12 @@ The law, per destination:
   next reopening is refused again and narrows it; too low, the firm
   ceiling is soon probed. A Retry-After that ends slow start reopens under
   what the upstream accepted of its ramping tick, not under the rate the
-  ramp began at.
+  ramp began at. When such a Retry-After closed the destination while a
+  tick released (``Demand.open_seconds``), the window's accepted rate
+  counts the closed rest of the tick as delivering nothing: the rate is
+  measured over the time it was open instead, from what the upstream
+  accepted of the jobs the tick sent (``_open_rate``). Where in its tick a
+  Retry-After falls is chance; this measure does not depend on it.
 - **Brake.** A tick's outcomes come back within the tick (a round trip is
   tens of milliseconds, a tick a second), so a tick whose budget is at least
   ``BRAKE_MIN_BUDGET`` looks at its fresh outcomes while it releases
@@ -180,6 +185,7 @@ LOOP_SHARE = 0.8  # a tick that admitted less than this share of rate x time sin
 # (the loop ran late: ticks were skipped) is no evidence for growth
 SHORT_RETRY_AFTER_RTTS = 3.0  # a Retry-After up to this many round trips: "a token is due", no box
 SHORT_HOLD_RTTS = 3.0  # ... after which the rate holds only this many round trips
+OPEN_MIN_TICKS = 0.1  # a tick closed mid-tick this soon says nothing of its open rate
 PROBE_RTTS = 8.0  # clean round trips at or above a firm ceiling, then the ladder probes it
 ACCUMULATE_S = 4.0  # time constant over which refusals under the threshold add up to an episode
 BRAKE_MIN_FACTOR = 2  # a mid-tick brake needs this many x refusal_min_count fresh refusals
@@ -238,6 +244,11 @@ class Demand:
     admitted: int = 0  # jobs claimed for it
     backlog_empty: bool = False  # due work ran out before the budget did
     inflight_capped: bool = False  # max_inflight capped the budget
+    # the destination closed mid-tick (a Retry-After or a pause heard while
+    # releasing): the tick's releases stopped this long after its start,
+    # having published ``sent`` jobs; None: it did not close mid-tick
+    open_seconds: float | None = None
+    sent: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -284,6 +295,7 @@ class PacerState:
     clean_s: float = 0.0  # clean, full-demand time at or above a firm ceiling since a refusal
     cooling: bool = False  # closed by a Retry-After
     delivered: float = 0.0  # average accepted rate
+    window_rate: float = 0.0  # the last window's accepted rate while open
     braked: bool = False  # the last cut was a brake's (mid-tick)
     acc_refused: float = 0.0  # fresh refusals under the threshold, decayed (ACCUMULATE_S)
     acc_outcomes: float = 0.0  # ... and the fresh outcomes they were among
@@ -427,6 +439,26 @@ def _has_demand(demand: Demand | None) -> bool:
     )
 
 
+def _open_rate(
+    window: OutcomeWindow, demand: Demand | None, p: PacingParams, before: float
+) -> float | None:
+    """The upstream's accepted rate while the destination was open, when a
+    Retry-After closed it mid-tick: what it accepted of the jobs the tick
+    sent before closing over the time they were sent in (the rest of the
+    window was closed time, which a rate over the whole window counts as
+    delivering nothing). Closed too soon after its start to say
+    (``OPEN_MIN_TICKS``), the refusal was of the tick before's calls: that
+    window's accepted rate (``before``). None when the tick did not close
+    mid-tick."""
+    if demand is None or demand.open_seconds is None:
+        return None
+    if demand.open_seconds < OPEN_MIN_TICKS * p.tick_seconds:
+        return before or None
+    # outcomes of the tick before may be in the window too: never more than it sent
+    accepted = min(window.accepted, max(0, demand.sent - window.refused))
+    return accepted / demand.open_seconds
+
+
 def update_rate(
     state: PacerState,
     window: OutcomeWindow,
@@ -445,10 +477,14 @@ def update_rate(
     dt = _elapsed(state, now, p)
     interval = window.interval_seconds or dt
     accepted_rate = window.accepted / interval if interval > 1e-9 else 0.0
-    delivered_before = state.delivered
+    delivered_before, window_before = state.delivered, state.window_rate
     if interval > 1e-9 and not state.cooling:  # a closed destination delivers nothing
         w = 1.0 - math.exp(-interval / (DELIVERED_TICKS * p.tick_seconds))
-        state = replace(state, delivered=state.delivered + w * (accepted_rate - state.delivered))
+        state = replace(
+            state,
+            delivered=state.delivered + w * (accepted_rate - state.delivered),
+            window_rate=accepted_rate,
+        )
     state = replace(
         state,
         since_wait_accepted=state.since_wait_accepted + window.accepted if state.token_wait else 0,
@@ -470,6 +506,9 @@ def update_rate(
         else:
             hold = retry_after / max(m, 0.01)
         est = max(delivered_before, accepted_rate) or state.rate
+        opened = _open_rate(window, demand, p, window_before) if token_wait else None
+        if opened is not None:
+            est = max(est, opened)
         if state.ceiling is not None and est > state.ceiling:
             est = max(state.ceiling, est * (1.0 - m))
         if token_wait and state.token_wait and state.hold_s > 0 and state.since_cut_s > 0:
@@ -484,7 +523,8 @@ def update_rate(
         if state.ceiling is None and demand is not None and dt > 0:
             # slow start's tick ramped past its rate: reopen under what the
             # upstream accepted of it, not under the rate the ramp began at
-            rate = max(rate, min(est, demand.admitted / dt))
+            sent = demand.admitted / dt if opened is None else opened
+            rate = max(rate, min(est, sent))
         state = replace(
             state,
             rate=_clamp(rate, p),

@@ -5,14 +5,20 @@ the tick after the reopening still releases a whole tick."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from support.fakes import FakeLedger, FakePublisher, VirtualClock
 
-from pacerd.admission import REOPEN_MARGIN_SECONDS, AdmissionConfig, DestinationAdmission
+from pacerd import pacer
+from pacerd.admission import (
+    CLOSED_CHECK_SECONDS,
+    REOPEN_MARGIN_SECONDS,
+    AdmissionConfig,
+    DestinationAdmission,
+)
 from pacerd.admission import run_destination as run
-from pacerd.pacer import PacingParams
+from pacerd.pacer import Demand, OutcomeWindow, PacerState, PacingParams
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -106,3 +112,48 @@ async def test_a_wake_of_an_open_destination_changes_nothing() -> None:
     assert not admission.closed
     assert not admission.wake()
     assert not admission.woken
+
+
+async def test_a_tick_closed_mid_tick_tells_the_pacer_how_long_it_was_open() -> None:
+    clock = VirtualClock()
+    ledger = FakeLedger(clock)
+    ledger.add_destination("d", overdue=None)
+    released: list[float] = []
+    demands: list[Demand | None] = []
+
+    def confirmed(jobs: Sequence[ClaimedJob]) -> None:
+        released.extend(clock.monotonic() for _ in jobs)
+
+    def law(state: PacerState, window: OutcomeWindow, demand: Demand | None, **kw: Any) -> Any:
+        demands.append(demand)
+        return pacer.plan_tick(state, window, demand, **kw)
+
+    params = PacingParams(tick_seconds=1.0, initial_rate=RATE, max_rate=RATE)
+    admission = DestinationAdmission(
+        ledger=ledger, clock=clock, publisher=FakePublisher(clock, on_confirmed=confirmed),
+        config=AdmissionConfig(destination="d", queue="q", params=params), law=law,
+    )  # fmt: skip
+    stop = anyio.Event()
+
+    async def close_then_stop() -> None:
+        await clock.sleep_until(0.4)  # a Retry-After heard 0.4 s into the first tick
+        ledger.cool_down("d", 5.0)
+        await clock.sleep_until(2.5)
+        stop.set()
+
+    with anyio.fail_after(60):  # real seconds
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(clock.drive, 3.0)
+            tg.start_soon(close_then_stop)
+            await run(admission, stop=stop)
+            tg.cancel_scope.cancel()
+    first, after = demands[0], demands[1]
+    assert first is None
+    assert after is not None
+    assert after.open_seconds is not None
+    assert 0.4 <= after.open_seconds <= 0.4 + CLOSED_CHECK_SECONDS + 1.0 / RATE
+    assert after.sent == len(released) == sum(t < 0.4 for t in released) > 0
+    # the ticks after it, closed from their start, closed nothing mid-tick
+    assert len(demands) >= 3
+    assert demands[2] is not None
+    assert demands[2].open_seconds is None

@@ -736,6 +736,52 @@ def test_a_token_wait_ending_slow_start_reopens_under_what_its_ramp_had_accepted
     assert state.rate == pytest.approx(90.0 * P.ceiling_resume_fraction)  # not 50 x 0.9
 
 
+def test_a_token_wait_heard_mid_tick_measures_the_upstream_while_it_was_open() -> None:
+    # slow start's tick began at 40/s; 0.4 s in, a Retry-After closed the
+    # destination: 33 jobs sent, 32 accepted, then nothing for 0.6 s
+    state = replace(initial_state(P, now=T0), rate=40.0, delivered=30.0)
+    window = OutcomeWindow(accepted=32, refused=1, accepted_fresh=32, refused_fresh=1,
+                           retry_after_s=1.0)  # fmt: skip
+    closed = Demand(budget=120, admitted=60, open_seconds=0.4, sent=33)
+    state, _ = run(state, window, closed, cooldown=1.0)
+    assert state.ceiling == pytest.approx(32 / 0.4)  # not the window's 32/s
+    state, _ = run(state, EMPTY, Demand(budget=0))  # reopened
+    assert state.rate == pytest.approx(80.0 * P.ceiling_resume_fraction)
+
+
+def test_the_open_measure_counts_only_what_the_closed_tick_sent() -> None:
+    # outcomes of the tick before reached this window too: no more than sent
+    state = replace(initial_state(P, now=T0), rate=40.0, delivered=30.0)
+    window = OutcomeWindow(accepted=45, refused=1, accepted_fresh=45, refused_fresh=1,
+                           retry_after_s=1.0)  # fmt: skip
+    closed = Demand(budget=120, admitted=60, open_seconds=0.4, sent=33)
+    state, _ = run(state, window, closed, cooldown=1.0)
+    assert state.ceiling == pytest.approx((33 - 1) / 0.4)
+
+
+def test_a_token_wait_heard_as_a_tick_began_measures_the_tick_before() -> None:
+    # the refusal came from the tail of a tick that accepted 70/s; the next
+    # tick closed 10 ms after it began, having sent one job
+    state = replace(initial_state(P, now=T0), rate=40.0, delivered=30.0)
+    ramp = OutcomeWindow(accepted=70, accepted_fresh=70)
+    state, _ = run(state, ramp, full(70))
+    assert state.window_rate == pytest.approx(70.0)
+    window = OutcomeWindow(accepted=2, refused=1, accepted_fresh=2, refused_fresh=1,
+                           retry_after_s=1.0)  # fmt: skip
+    closed = Demand(budget=200, admitted=2, open_seconds=0.01, sent=1)
+    state, _ = run(state, window, closed, cooldown=1.0)
+    assert state.ceiling == pytest.approx(70.0)
+
+
+def test_a_penalty_box_heard_mid_tick_keeps_the_windows_measure() -> None:
+    state = replace(at_ceiling(rate=100.0), delivered=100.0)
+    box = OutcomeWindow(accepted=40, refused=2, accepted_fresh=40, refused_fresh=2,
+                        retry_after_s=10.0)  # fmt: skip
+    closed = Demand(budget=100, admitted=100, open_seconds=0.4, sent=42)
+    state, _ = run(state, box, closed, cooldown=10.0)
+    assert state.ceiling == pytest.approx(100.0)  # the delivered rate, not 40 / 0.4
+
+
 @pytest.mark.parametrize(("token_wait", "probes"), [(True, True), (False, False)])
 def test_a_token_waits_firm_ceiling_is_probed_soon(token_wait: bool, probes: bool) -> None:
     state = replace(at_ceiling(rate=100.0, ceiling=100.0), token_wait=token_wait)
