@@ -43,7 +43,9 @@ The law, per destination:
   fresh ones (a round trip far shorter than the tick: the window already
   held them all), nothing refines such a floor: it regrows toward the bound
   by ``REGROW`` per round trip, not by the additive step (a drop's floor,
-  whose bound mixes what came before the drop, climbs by the step). The cut
+  whose bound mixes what came before the drop, climbs by the step). A
+  regrowth's step is a probe too: refused heavily, its floor regrows again
+  toward the new window's bound. The cut
   that ends a heavy one's episode (its first fresh outcomes) is never heavy:
   the floor it sent at is what their refusals measure (a capacity that fell
   under it, or a small bucket's noise), and a second floor would compound
@@ -732,9 +734,10 @@ def _cut(
     # the first
     heavy = _heavy(refused, outcomes, p) and not state.braked
     heavy = heavy and not (state.heavy and state.episode)
-    # a ladder's probe overshot: the capacity it found is near its bound,
+    # a ladder's probe overshot, or a regrowth's step (a probe toward the
+    # bound of a probe's cut): the capacity it found is near its bound,
     # unlike a drop's, whose window mixes what came before it
-    probe = heavy and state.ladder > 0
+    probe = heavy and (state.ladder > 0 or state.regrow)
     if heavy:
         est = max(p.min_rate, sent * (1.0 - refused / outcomes))
     else:

@@ -586,6 +586,25 @@ def test_a_probes_heavy_cut_left_unrefined_regrows_toward_its_bound_per_round_tr
     assert _clean_ticks(state, plan, 4) == pytest.approx(grown)
 
 
+def test_a_regrowths_step_refused_heavily_regrows_again_toward_its_new_bound() -> None:
+    # regrowing from a probe's cut, a step overshot the capacity: not a drop
+    # (the rate had just been raised), so the new floor regrows too instead
+    # of climbing by the step from a quarter of the rate
+    probing = replace(at_ceiling(rate=85.0, ceiling=30.0), ladder=8.0)
+    state, plan, _ = _heavy_then_fresh(probing)
+    state, plan = run(state, OutcomeWindow(accepted=21, accepted_fresh=21), full(plan.budget))
+    assert state.regrow
+    assert state.rate == pytest.approx(21.25 * pacer.REGROW)
+    sent = state.rate
+    window = OutcomeWindow(accepted=24, refused=8, accepted_fresh=24, refused_fresh=8)
+    state, plan = run(state, window, full(plan.budget))
+    assert (state.heavy, state.regrow) == (True, True)
+    assert state.rate == pytest.approx(P.decrease_factor * sent)
+    state, plan = run(state, OutcomeWindow(accepted=8, accepted_fresh=8), full(plan.budget))
+    grown = _clean_ticks(state, plan, 2)
+    assert grown[0] == pytest.approx(state.rate * pacer.REGROW)
+
+
 def test_a_drops_heavy_cut_left_unrefined_climbs_by_the_step() -> None:
     # no probe: the capacity fell within the window, whose bound mixes before and after
     state, plan, _ = _heavy_then_fresh(at_ceiling(rate=85.0, ceiling=85.0))
