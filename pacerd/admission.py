@@ -497,7 +497,7 @@ class DestinationAdmission:
             planned = self.clock.monotonic() - now
             claimed = claims.jobs
             if claimed:
-                outcome = await self._publish_spread(claims, plan, started=now)
+                outcome = await self._publish_spread(claims, plan, started=now, inflight=inflight)
                 self._after_publishing(outcome)
                 state = self.state  # a brake may have cut the rate mid-tick
         admitted = would_admit if cfg.shadow else max(len(claimed), outcome.claimed)
@@ -570,7 +570,7 @@ class DestinationAdmission:
         return self.observer.mark_offered_span(destination, count=attributes["count"])
 
     async def _publish_spread(
-        self, claims: _Claims, plan: pacer.TickPlan, *, started: float
+        self, claims: _Claims, plan: pacer.TickPlan, *, started: float, inflight: int
     ) -> _Publishing:
         """Publishes the tick's claimed jobs across the tick at the pacer's
         offsets from the tick's start (live ones first), in at most
@@ -613,7 +613,10 @@ class DestinationAdmission:
         # the last reading before any fresh refusal of the tick (None: not
         # watched: past slow start, or a budget too small to tell)
         assert self.state is not None
-        watched = plan.budget >= pacer.BRAKE_MIN_BUDGET and pacer.watches(self.state)
+        params = self.config.params
+        watched = plan.budget >= pacer.BRAKE_MIN_BUDGET and pacer.watches(
+            self.state, params, inflight=inflight
+        )
         clean = self._previous_row if watched else None
         clean_at = self._window_since  # when ``clean`` was read
         next_brake = started + BRAKE_CHECK_SECONDS
@@ -665,7 +668,7 @@ class DestinationAdmission:
                             claims = await self._claim_again(claims, sent, n, live)
                             sent, i = 0, 0
                             slices = on_grid([done + k * (span - done) / n for k in range(n)], 0)
-                            if not pacer.watches(self.state):
+                            if not pacer.watches(self.state, params, inflight=inflight):
                                 clean = None  # slow start is over: nothing more to hear
                             continue
                     await room.take(len(group))

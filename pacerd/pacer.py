@@ -140,15 +140,23 @@ The law, per destination:
   ``BRAKE_MIN_SPAN_S`` and ``BRAKE_MIN_ACCEPTED`` outcomes: while a bucket
   refuses, it accepts its refill rate, while ``rate`` is the ramp's by now,
   a round trip past the outcomes heard), and the rest of the tick is
-  released at the new rate. Only in slow start: its overshoot is of its own
-  making, so the share measures the capacity; past it, a brake on a capacity drop or on
-  a probe cut by a few dozen outcomes, too noisy an estimate to hold (the
-  simulation's oscillation and fairness targets say so), and the tick's own
-  step decides. Slow start ends there, a round trip after its
-  overshoot began rather than a tick later. Fewer refusals (a burst against
-  a small bucket, a probe) are left to the tick's own step. An episode right
-  after a brake is never heavy: its outcomes are of jobs claimed at the
-  brake's rate.
+  released at the new rate. In slow start its overshoot is of its own
+  making, so the share measures the capacity; slow start ends there, a
+  round trip after its overshoot began rather than a tick later. Past slow
+  start a tick is watched only when its round trip is short
+  (:func:`watches`: what is in flight at its start is under
+  ``BRAKE_LAG_TICKS`` of a tick's releases), and braked only by a capacity
+  that fell: ``BRAKE_DROP_RATIO`` of at least ``BRAKE_DROP_OUTCOMES``
+  fresh outcomes refused. A probe's few refusals, and any brake on
+  outcomes a long round trip old, would cut on too noisy an estimate (the
+  simulation's oscillation and fairness targets say so): the tick's own
+  step decides. Such a brake remembers the rate it fell from as a peak.
+  Fewer refusals (a burst against a small bucket, a probe) are left to the
+  tick's own step. An episode right after a brake is never heavy: its
+  outcomes are of jobs claimed at the brake's rate; after a drop's brake,
+  nor are the episodes that follow it back to back until a clean window
+  (``dropped``): a brake's estimate a little over the capacity is refused
+  again, and a heavy cut would then drop to a quarter of the capacity.
 - **Budget.** ``floor(credit + rate * elapsed)`` (elapsed capped at two ticks:
   missed ticks are skipped, not replayed), capped by ``max_inflight -
   inflight``; the fraction carries over as credit. Publishes are spread over
@@ -192,6 +200,9 @@ PROBE_RTTS = 8.0  # clean round trips at or above a firm ceiling, then the ladde
 ACCUMULATE_S = 4.0  # time constant over which refusals under the threshold add up to an episode
 BRAKE_MIN_FACTOR = 2  # a mid-tick brake needs this many x refusal_min_count fresh refusals
 BRAKE_RATIO = 0.1  # ... making at least this share of the fresh outcomes heard mid-tick
+BRAKE_LAG_TICKS = 0.1  # past slow start, a tick is watched when its round trip is this short
+BRAKE_DROP_RATIO = 0.25  # ... and braked only by this share of refusals (a drop, not a probe)
+BRAKE_DROP_OUTCOMES = 20  # ... among at least this many fresh outcomes
 BRAKE_MIN_BUDGET = 10  # ticks with a smaller budget are not watched mid-tick (too few outcomes)
 BRAKE_MIN_SPAN_S = 0.1  # a brake's window measures the accepted rate over at least this long
 BRAKE_MIN_ACCEPTED = 20  # ... and this many accepted outcomes
@@ -304,6 +315,7 @@ class PacerState:
     peak: float = 0.0  # the rate before the last heavy cut, fading (PEAK_S)
     regrow: bool = False  # a probe's heavy cut (no stale outcomes refined it: grow back)
     token_wait: bool = False  # the last cut was a short Retry-After's (a token is due)
+    dropped: bool = False  # a brake past slow start, and the cuts right after it: none heavy
     since_wait_accepted: int = 0  # ... and the outcomes accepted since it
     prepaid: bool = False  # the tick before was a reopening: it paid up to this tick
 
@@ -540,6 +552,7 @@ def update_rate(
             peak=max(state.peak, state.rate) if token_wait and state.firm else state.peak,
             epoch=state.epoch + 1,
             episode=False,
+            dropped=False,
             saved=0.0,
             surplus=0.0,
             ladder=0.0,
@@ -599,6 +612,7 @@ def update_rate(
             episode=False,
             round_trip_s=0.7 * rtt + 0.3 * seen if rtt else seen,
             regrow=regrow,
+            dropped=False,
         )
     if episode and state.ceiling is None:
         # slow start ends on evidence, at what the upstream accepts: a couple of
@@ -640,9 +654,16 @@ def update_rate(
     return _grow(state, dt, accepted_rate, p)
 
 
-def watches(state: PacerState) -> bool:
-    """Whether a tick in ``state`` may be braked mid-tick (slow start, open)."""
-    return state.ceiling is None and not state.cooling
+def watches(state: PacerState, params: PacingParams, *, inflight: int) -> bool:
+    """Whether a tick in ``state`` may be braked mid-tick: while open, in slow
+    start, and past it when the tick's outcomes come back within a small
+    part of it (``inflight`` jobs at its start, released at ``state.rate``,
+    are under ``BRAKE_LAG_TICKS`` of a tick's worth: a round trip that short)."""
+    if state.cooling:
+        return False
+    if state.ceiling is None:
+        return True
+    return inflight <= BRAKE_LAG_TICKS * params.tick_seconds * state.rate
 
 
 def brake(
@@ -657,12 +678,16 @@ def brake(
     p = params
     refused = window.refused_fresh
     outcomes = window.accepted_fresh + refused
-    if not watches(state):
-        return None  # past slow start: the tick's own step
+    if state.cooling:
+        return None
     if refused < max(1, BRAKE_MIN_FACTOR * p.refusal_min_count):
         return None
     if refused < BRAKE_RATIO * outcomes:
         return None
+    if state.ceiling is not None and (
+        refused < BRAKE_DROP_RATIO * outcomes or outcomes < BRAKE_DROP_OUTCOMES
+    ):
+        return None  # past slow start, only a capacity that fell: not a probe's few refusals
     share = (outcomes - refused + 0.5) / (outcomes + 1.0)
     sent = max(state.rate, sent or 0.0)
     est = sent * share
@@ -684,6 +709,10 @@ def brake(
         cut_bound=est,
         hold_s=0.0,
         braked=True,
+        # past slow start, a tick braked this hard met a capacity that fell:
+        # the cuts that follow it, until a clean window, are of no mixed window
+        peak=state.peak if state.ceiling is None else max(state.peak, sent),
+        dropped=state.ceiling is not None,
     )
 
 
@@ -691,7 +720,7 @@ def _new_episode(state: PacerState, **cut: float | bool) -> PacerState:
     """``state`` after a cut (``cut``: its rate, ceiling and kind): a new
     epoch awaiting its first fresh outcomes, the evidence gathered under the
     old one forgotten."""
-    forgotten = {"regrow": False, "token_wait": False}  # unless the cut says otherwise
+    forgotten = {"regrow": False, "token_wait": False, "dropped": False}  # unless the cut says
     return replace(
         state,
         epoch=state.epoch + 1,
@@ -732,7 +761,7 @@ def _cut(
     # it sent at is what their refusals measure (a floor over a capacity that
     # fell further, or a small bucket's noise); a second floor would compound
     # the first
-    heavy = _heavy(refused, outcomes, p) and not state.braked
+    heavy = _heavy(refused, outcomes, p) and not (state.braked or state.dropped)
     heavy = heavy and not (state.heavy and state.episode)
     # a ladder's probe overshot, or a regrowth's step (a probe toward the
     # bound of a probe's cut): the capacity it found is near its bound,
@@ -762,6 +791,7 @@ def _cut(
         cut_from=sent,
         cut_bound=est,
         braked=False,
+        dropped=state.dropped and not heavy,
         regrow=probe,
     )
 

@@ -72,11 +72,21 @@ class ReadCounting(FakeLedger):
 
 
 async def _tick(
-    rate: float, capacity: float, *, pacer_state: Mapping[str, object] | None = None
+    rate: float,
+    capacity: float,
+    *,
+    pacer_state: Mapping[str, object] | None = None,
+    inflight: int = 0,
 ) -> tuple[TickResult, ReadCounting, Bucket, float]:
     clock = VirtualClock()
     ledger = ReadCounting(clock)
     ledger.add_destination("d", overdue=None)
+    if inflight:  # claimed before the tick, never reported
+        claimed = await ledger.claim_due(
+            "d", live_limit=0, limit=inflight, claim_seconds=60.0, epoch=0,
+            live_window_seconds=60.0, instance="other",
+        )  # fmt: skip
+        assert len(claimed) == inflight
     if pacer_state is not None:
         await ledger.save_pacer_state("d", {"pacer": pacer_state}, epoch=0)
     bucket = Bucket(clock, ledger, capacity)
@@ -121,11 +131,22 @@ async def test_without_the_brake_the_tick_refuses_its_whole_excess(
     assert result.released == 0
 
 
-async def test_past_slow_start_a_tick_reads_nothing_while_it_releases() -> None:
-    # a rate held at its measured ceiling: the tick's own step decides, and
-    # the tick sends no mid-tick read (one read: the tick's own, at its start)
+async def test_past_slow_start_a_tick_far_over_a_capacity_that_fell_is_braked() -> None:
+    # held at a measured ceiling of 200/s when the capacity falls to 100/s
+    state = {"rate": 200.0, "ceiling": 200.0, "epoch": 0}
+    result, ledger, bucket, rate = await _tick(rate=200.0, capacity=100.0, pacer_state=state)
+    assert 80.0 <= rate <= 125.0, rate
+    assert sum(not ok for _, ok in bucket.calls) <= 35  # the control: about 90
+    assert result.claimed == ledger.claimed == result.offered + result.released
+
+
+async def test_past_slow_start_a_long_round_trip_is_not_watched() -> None:
+    # a rate held at its measured ceiling, its round trip short: watched
     state = {"rate": 90.0, "ceiling": 90.0, "epoch": 0}
     _, ledger, _, _ = await _tick(rate=90.0, capacity=100.0, pacer_state=state)
-    assert ledger.reads == 1
-    _, ledger, _, _ = await _tick(rate=90.0, capacity=100.0)  # slow start: watched
     assert ledger.reads > 1
+    # the same with a second's worth of jobs still in flight at the tick's
+    # start (a round trip of a second): the tick's own step decides, and
+    # the tick sends no mid-tick read (one read: the tick's own, at its start)
+    _, ledger, _, _ = await _tick(rate=90.0, capacity=100.0, pacer_state=state, inflight=90)
+    assert ledger.reads == 1

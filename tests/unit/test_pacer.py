@@ -490,7 +490,7 @@ def test_a_brake_cuts_to_the_accepted_rate_when_the_ramp_ran_ahead_of_its_outcom
         assert cut.rate == pytest.approx(400.0 * share * (1 - P.decrease_margin))
 
 
-def test_a_brake_needs_many_refusals_making_a_large_share_and_slow_start() -> None:
+def test_a_brake_needs_many_refusals_making_a_large_share() -> None:
     state = replace(initial_state(P, now=T0), rate=100.0)
     few = OutcomeWindow(accepted_fresh=40, refused_fresh=pacer.BRAKE_MIN_FACTOR * 2 - 1)
     assert pacer.brake(state, few, P) is None
@@ -499,8 +499,57 @@ def test_a_brake_needs_many_refusals_making_a_large_share_and_slow_start() -> No
     assert pacer.brake(replace(state, cooling=True), OutcomeWindow(refused_fresh=50), P) is None
     many = OutcomeWindow(accepted_fresh=10, refused_fresh=10)
     assert pacer.brake(state, many, P) is not None
-    # past slow start the tick's own step decides (a probe, a drop)
-    assert pacer.brake(at_ceiling(rate=100.0), many, P) is None
+
+
+def test_past_slow_start_only_a_drops_share_of_refusals_brakes() -> None:
+    state = at_ceiling(rate=100.0)
+    # a probe's overshoot: a share over the slow-start brake's, under a drop's
+    probe = OutcomeWindow(accepted_fresh=40, refused_fresh=8)
+    assert pacer.BRAKE_RATIO * 48 <= 8 < pacer.BRAKE_DROP_RATIO * 48
+    assert pacer.brake(state, probe, P) is None
+    n = pacer.BRAKE_DROP_OUTCOMES - 1  # a drop's share among too few outcomes to tell
+    assert (
+        pacer.brake(state, OutcomeWindow(accepted_fresh=n - n // 2, refused_fresh=n // 2), P)
+        is None
+    )
+    drop = OutcomeWindow(accepted_fresh=10, refused_fresh=10)
+    cut = pacer.brake(state, drop, P)
+    assert cut is not None
+    assert cut.rate < state.rate
+    # a capacity that fell: remembered as a peak, and the cuts that follow are not heavy
+    assert (cut.peak, cut.dropped) == (100.0, True)
+    assert not pacer.brake(replace(initial_state(P, now=T0), rate=100.0), drop, P).dropped  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("inflight", "watched"), [(0, True), (10, True), (11, False), (500, False)]
+)
+def test_past_slow_start_a_tick_is_watched_only_when_its_round_trip_is_short(
+    inflight: int, watched: bool
+) -> None:
+    # at 100/s, what is in flight at the tick's start took under a tenth of a tick to send
+    assert pacer.watches(at_ceiling(rate=100.0), P, inflight=inflight) is watched
+    slow_start = replace(initial_state(P, now=T0), rate=100.0)
+    assert pacer.watches(slow_start, P, inflight=inflight)  # slow start: always
+    assert not pacer.watches(replace(slow_start, cooling=True), P, inflight=0)
+
+
+def test_the_cuts_right_after_a_drops_brake_are_not_heavy_until_a_clean_window() -> None:
+    state = pacer.brake(
+        at_ceiling(rate=100.0), OutcomeWindow(accepted_fresh=10, refused_fresh=10), P
+    )
+    assert state is not None
+    # the brake's rate was still over the capacity: a fifth refused, twice
+    over = OutcomeWindow(accepted=40, refused=10, accepted_fresh=40, refused_fresh=10)
+    assert pacer._heavy(10, 50, P)
+    for _ in range(2):
+        before = state.rate
+        state, _ = run(state, over, full(int(state.rate)))
+        assert not state.heavy
+        assert state.rate > P.decrease_factor * before
+        assert state.dropped
+    state, _ = run(state, OutcomeWindow(accepted=40, accepted_fresh=40), full(int(state.rate)))
+    assert not state.dropped  # a clean window: a later heavy episode is a new capacity change
 
 
 def test_no_cut_right_after_a_brake_is_heavy() -> None:
