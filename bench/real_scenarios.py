@@ -5,6 +5,7 @@ simulation and beside botocore's adaptive client rate limiter, in one run.
     .venv/bin/python -m bench.real_scenarios           # ~9 minutes
     .venv/bin/python -m bench.real_scenarios --only drain,deepcut --no-peer
     .venv/bin/python -m bench.real_scenarios --only S5 --pacing slow_start_factor=2
+    .venv/bin/python -m bench.real_scenarios --sim-seeds 10   # the simulation alone, ~1 minute
 
 Each scenario runs three ways, one after the other:
 
@@ -714,7 +715,7 @@ def uptime() -> str:
 
 async def measure(args: argparse.Namespace) -> str:
     nginx = not args.no_nginx
-    if nginx and nginx_binary() is None:
+    if nginx and not args.sim_seeds and nginx_binary() is None:
         raise SystemExit(
             "nginx is not installed: apt-get install -y nginx-light (or run with --no-nginx)"
         )
@@ -728,6 +729,8 @@ async def measure(args: argparse.Namespace) -> str:
             pacing_params(plan)
         except ConfigError as exc:
             raise SystemExit(f"--pacing: {exc}") from None
+    if args.sim_seeds:
+        return await asyncio.to_thread(simulate_seeds, chosen, args.sim_seeds)
     if not common.ensure_vhost(AMQP_URL):
         raise SystemExit(f"cannot create the RabbitMQ vhost {VHOST} (rabbitmqctl)")
     dsn = await common.fresh_ledger(DB)
@@ -757,6 +760,26 @@ async def measure(args: argparse.Namespace) -> str:
     return common.table(["scenario", "run", *COLUMNS, "load (1/5/15 min)"], rows)
 
 
+def simulate_seeds(chosen: list[Plan], seeds: int) -> str:
+    """The simulation alone, seeds 0 to ``seeds - 1`` of every plan: each
+    seed's figures, then the worst and the mean of each column."""
+    rows: list[list[object]] = []
+    for plan in chosen:
+        got = [metrics(plan, run_sim(plan, seed)) for seed in range(seeds)]
+        for seed, m in enumerate(got):
+            rows.append([plan.key, seed, *(m.get(c, math.nan) for c in COLUMNS)])
+        for label, pick in (("worst", "worst"), ("mean", "mean")):
+            summary: list[object] = []
+            for c in COLUMNS:
+                values = [m.get(c, math.nan) for m in got]
+                if pick == "mean":
+                    summary.append(sum(values) / len(values))
+                else:  # the lowest utilization, the highest of everything else
+                    summary.append(min(values) if c == "util" else max(values))
+            rows.append([plan.key, label, *summary])
+    return common.table(["scenario", "seed", *COLUMNS], rows)
+
+
 def pacing_override(text: str) -> tuple[str, str]:
     """``KEY=VALUE`` of ``--pacing`` (the key and value are checked by pacerd's loader)."""
     key, sep, value = text.partition("=")
@@ -772,6 +795,10 @@ def main() -> None:
     parser.add_argument("--no-peer", action="store_true", help="skip botocore")
     parser.add_argument("--seed", type=int, default=0, help="the simulation's seed")
     parser.add_argument("--json", default=None, help="write the figures to this file")
+    parser.add_argument(
+        "--sim-seeds", type=int, default=0, metavar="N",
+        help="the simulation alone, seeds 0 to N-1 (no services needed)",
+    )  # fmt: skip
     parser.add_argument(
         "--pacing", type=pacing_override, action="append", default=[], metavar="KEY=VALUE",
         help="a [pacing] key for pacerd and the simulation alike, e.g. slow_start_factor=2",
