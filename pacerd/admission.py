@@ -611,7 +611,7 @@ class DestinationAdmission:
         slices = on_grid(offsets, 0)
         span = plan.spacing_seconds * max(plan.budget, 1)  # the tick's releases end by then
         # the last reading before any fresh refusal of the tick (None: not
-        # watched: past slow start, or a budget too small to tell)
+        # watched: a long round trip past slow start, or a budget too small)
         assert self.state is not None
         params = self.config.params
         watched = plan.budget >= pacer.BRAKE_MIN_BUDGET and pacer.watches(
@@ -669,7 +669,7 @@ class DestinationAdmission:
                             sent, i = 0, 0
                             slices = on_grid([done + k * (span - done) / n for k in range(n)], 0)
                             if not pacer.watches(self.state, params, inflight=inflight):
-                                clean = None  # slow start is over: nothing more to hear
+                                clean = None  # past slow start, on a long round trip
                             continue
                     await room.take(len(group))
                     sent += len(group)

@@ -804,14 +804,20 @@ def test_a_token_wait_ending_slow_start_reopens_under_what_its_ramp_had_accepted
     assert state.rate == pytest.approx(90.0 * P.ceiling_resume_fraction)  # not 50 x 0.9
 
 
-def test_a_token_wait_heard_mid_tick_measures_the_upstream_while_it_was_open() -> None:
-    # slow start's tick began at 40/s; 0.4 s in, a Retry-After closed the
-    # destination: 33 jobs sent, 32 accepted, then nothing for 0.6 s
+def _token_wait_heard_mid_tick(accepted: int) -> PacerState:
+    """Slow start's tick began at 40/s; 0.4 s in, a Retry-After closed the
+    destination, 33 jobs sent, then nothing for 0.6 s; the window held
+    ``accepted`` outcomes and the one refusal."""
     state = replace(initial_state(P, now=T0), rate=40.0, delivered=30.0)
-    window = OutcomeWindow(accepted=32, refused=1, accepted_fresh=32, refused_fresh=1,
-                           retry_after_s=1.0)  # fmt: skip
+    window = OutcomeWindow(accepted=accepted, refused=1, accepted_fresh=accepted,
+                           refused_fresh=1, retry_after_s=1.0)  # fmt: skip
     closed = Demand(budget=120, admitted=60, open_seconds=0.4, sent=33)
     state, _ = run(state, window, closed, cooldown=1.0)
+    return state
+
+
+def test_a_token_wait_heard_mid_tick_measures_the_upstream_while_it_was_open() -> None:
+    state = _token_wait_heard_mid_tick(accepted=32)
     assert state.ceiling == pytest.approx(32 / 0.4)  # not the window's 32/s
     state, _ = run(state, EMPTY, Demand(budget=0))  # reopened
     assert state.rate == pytest.approx(80.0 * P.ceiling_resume_fraction)
@@ -819,11 +825,7 @@ def test_a_token_wait_heard_mid_tick_measures_the_upstream_while_it_was_open() -
 
 def test_the_open_measure_counts_only_what_the_closed_tick_sent() -> None:
     # outcomes of the tick before reached this window too: no more than sent
-    state = replace(initial_state(P, now=T0), rate=40.0, delivered=30.0)
-    window = OutcomeWindow(accepted=45, refused=1, accepted_fresh=45, refused_fresh=1,
-                           retry_after_s=1.0)  # fmt: skip
-    closed = Demand(budget=120, admitted=60, open_seconds=0.4, sent=33)
-    state, _ = run(state, window, closed, cooldown=1.0)
+    state = _token_wait_heard_mid_tick(accepted=45)
     assert state.ceiling == pytest.approx((33 - 1) / 0.4)
 
 
