@@ -52,6 +52,8 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator
     from pathlib import Path
 
+    from support.daemon import Daemon
+
 pytestmark = [pytest.mark.services, pytest.mark.timeout(60)]
 
 
@@ -130,11 +132,34 @@ async def test_three_instances_drain_four_destinations_one_budget_each(
     }
     acquired = [e for e in events["leadership_acquired"] if e.get("role") != "reconciler"]
     handovers = events["leadership_handover_started"]
-    assert not events["leadership_lost"], events
-    assert len(handovers) <= 2, events
-    assert all(e["instances"] > 1 for e in handovers), events
-    assert len(acquired) == len(destinations) + len(handovers), events
-    assert {e["partition"] for e in acquired} == set(range(len(destinations))), events
+    timeline = _leadership_timeline(instances)  # said in full when one of these fails
+    assert not events["leadership_lost"], timeline
+    assert len(handovers) <= 2, timeline
+    assert all(e["instances"] > 1 for e in handovers), timeline
+    assert len(acquired) == len(destinations) + len(handovers), timeline
+    assert {e["partition"] for e in acquired} == set(range(len(destinations))), timeline
+
+
+LEADERSHIP_EVENTS = (
+    "leadership_acquired", "leadership_handover_started", "leadership_lost",
+    "leadership_session_connected", "leadership_session_closed",
+    "leadership_session_unavailable", "broker_connected", "broker_unavailable",
+)  # fmt: skip
+
+
+def _leadership_timeline(instances: list[Daemon]) -> str:
+    """Every instance's leadership and broker events in time order, one a
+    line (what a failure of the no-flapping checks needs to be read)."""
+    rows = sorted(
+        (e["at"], e.get("instance", "?"), e["event"], e.get("partition"), e.get("fair_share"))
+        for i in instances
+        for name in LEADERSHIP_EVENTS
+        for e in i.events(name)
+    )
+    return "\n".join(
+        f"{at:%H:%M:%S.%f} {who} {event} partition={p} fair_share={share}"
+        for at, who, event, p, share in rows
+    )
 
 
 async def test_kill_9_of_a_leader_then_of_the_reconciler_instance(
