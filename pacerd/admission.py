@@ -641,8 +641,8 @@ class DestinationAdmission:
                     if self.clock.monotonic() >= next_check:
                         next_check = self.clock.monotonic() + CLOSED_CHECK_SECONDS
                         outcome.closed = await self._closed_meanwhile()
-                        outcome.closed_after = self.clock.monotonic() - started
                     if outcome.closed or (self.stop is not None and self.stop.is_set()):
+                        outcome.closed_after = self.clock.monotonic() - started
                         outcome.stopped = not outcome.closed
                         break
                     if clean is not None and self.clock.monotonic() >= next_brake:

@@ -315,8 +315,8 @@ class PacerState:
     peak: float = 0.0  # the rate before the last heavy cut, fading (PEAK_S)
     regrow: bool = False  # a probe's heavy cut (no stale outcomes refined it: grow back)
     token_wait: bool = False  # the last cut was a short Retry-After's (a token is due)
-    dropped: bool = False  # a brake past slow start, and the cuts right after it: none heavy
     since_wait_accepted: int = 0  # ... and the outcomes accepted since it
+    dropped: bool = False  # a brake past slow start, and the cuts right after it: none heavy
     prepaid: bool = False  # the tick before was a reopening: it paid up to this tick
 
     def to_dict(self) -> dict[str, float | int | bool | None]:
@@ -791,7 +791,7 @@ def _cut(
         cut_from=sent,
         cut_bound=est,
         braked=False,
-        dropped=state.dropped and not heavy,
+        dropped=state.dropped,  # never heavy while it holds (above)
         regrow=probe,
     )
 
