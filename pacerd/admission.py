@@ -647,11 +647,12 @@ class DestinationAdmission:
                         break
                     if clean is not None and self.clock.monotonic() >= next_brake:
                         next_brake = self.clock.monotonic() + BRAKE_CHECK_SECONDS
-                        # the outcomes heard left about a check's interval ago
+                        # the outcomes heard left about a check's interval ago,
+                        # on the plan's ramp; after a cut, evenly at its rate
                         heard = self.clock.monotonic() - started - BRAKE_CHECK_SECONDS
-                        clean, clean_at, cut = await self._brake(
-                            clean, since=clean_at, sent=pacer.ramp_rate(plan, heard)
-                        )
+                        assert self.state is not None
+                        rate = pacer.ramp_rate(plan, heard) if not earlier else self.state.rate
+                        clean, clean_at, cut = await self._brake(clean, since=clean_at, sent=rate)
                         if cut:
                             # The claims not yet sent go back and the rest of the
                             # tick is claimed afresh at the cut's epoch, evenly

@@ -8,6 +8,7 @@ watched) is the control."""
 from __future__ import annotations
 
 import heapq
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import anyio
@@ -77,7 +78,9 @@ async def _tick(
     *,
     pacer_state: Mapping[str, object] | None = None,
     inflight: int = 0,
+    ticks: int = 1,
 ) -> tuple[TickResult, ReadCounting, Bucket, float]:
+    """Runs ``ticks`` ticks on the schedule; the last one's result."""
     clock = VirtualClock()
     ledger = ReadCounting(clock)
     ledger.add_destination("d", overdue=None)
@@ -100,6 +103,10 @@ async def _tick(
         async with anyio.create_task_group() as tg:
             tg.start_soon(clock.drive, 5.0)
             tg.start_soon(bucket.run)
+            for _ in range(ticks - 1):
+                await admission.run_once()
+                assert admission.next_deadline is not None
+                await clock.sleep_until(admission.next_deadline)
             result = await admission.run_once()
             await clock.sleep(0.2)  # the last outcomes come in
             tg.cancel_scope.cancel()
@@ -129,6 +136,38 @@ async def test_without_the_brake_the_tick_refuses_its_whole_excess(
     assert rate == 200.0  # the tick's own step comes only at the next tick
     assert sum(not ok for _, ok in bucket.calls) >= 70
     assert result.released == 0
+
+
+async def test_a_ramping_tick_braked_measures_the_rate_it_releases_at_after_the_cut(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a first tick at 60/s, all accepted; the next grows and ramps from 180/s
+    # toward 540/s into a capacity of 100/s. Braked, it releases the rest of
+    # the tick evenly at the cut's rate: the brakes after that one measure
+    # that rate, not the ramp's (which would raise the rate cut a moment
+    # before). The first cut is made to land over the capacity (as a noisy
+    # estimate from a few outcomes may), so that the tick is braked again.
+    calls: list[tuple[float, float, float | None]] = []  # (rate, sent, the cut's rate)
+    brake = pacer.brake
+
+    def recorded(
+        state: pacer.PacerState, window: pacer.OutcomeWindow, params: PacingParams, **kw: float
+    ) -> pacer.PacerState | None:
+        cut = brake(state, window, params, **kw)
+        if cut is not None and not calls:
+            cut = replace(cut, rate=1.6 * cut.rate)
+        calls.append((state.rate, kw["sent"], None if cut is None else cut.rate))
+        return cut
+
+    monkeypatch.setattr(pacer, "brake", recorded)
+    result, ledger, _, rate = await _tick(rate=60.0, capacity=100.0, ticks=2)
+    first = next(i for i, (_, _, cut) in enumerate(calls) if cut is not None)
+    later = calls[first + 1 :]
+    assert later, calls  # heard again after the first cut
+    assert all(sent == before for before, sent, _ in later), calls
+    assert all(cut < before for before, _, cut in later if cut is not None), calls
+    assert rate <= 125.0, calls
+    assert result.claimed == ledger.claimed - 60 == result.offered + result.released
 
 
 async def test_past_slow_start_a_tick_far_over_a_capacity_that_fell_is_braked() -> None:
