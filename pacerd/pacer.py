@@ -69,10 +69,13 @@ The law, per destination:
   keeps ramping at that growth while it releases (its releases reach the rate
   the next tick would grow to: no jump of a whole factor at a tick's start,
   which a brake could only catch a round trip after it began), and slow start
-  ends at no more than that tick's starting rate (its ceiling at what it
-  accepted). On the first sign of
+  ends just under what that tick's ramp accepted, however far above the rate
+  the ramp began at (its ceiling likewise). On the first sign of
   saturation (HyStart) it stops growing: it holds the rate on any refusal
-  (under the episode threshold, or too few to end slow start), or on a window
+  (under the episode threshold, or too few to end slow start; a ramping
+  tick's rate is then lifted to what it accepted, never above what it sent
+  nor where the same window without refusals would have grown it, and the
+  next tick does not ramp), or on a window
   of at least
   ``HYSTART_MIN_OUTCOMES`` outcomes whose accepted rate is under
   ``HYSTART_SHARE`` of the rate and no higher than the average before it (the
@@ -453,6 +456,40 @@ def _has_demand(demand: Demand | None) -> bool:
     )
 
 
+def _may_grow(
+    state: PacerState,
+    demand: Demand | None,
+    p: PacingParams,
+    *,
+    now: float,
+    inflight: int,
+    paused: bool,
+) -> bool:
+    """Whether a clean window of this tick would be evidence for growth: the
+    tick used its whole budget (``_has_demand``), was not paused, admitted
+    at least ``LOOP_SHARE`` of the rate over the time since the last tick
+    (a loop that ran late released less than the rate: no growth on it),
+    and no more than ``INFLIGHT_RTTS`` round trips of the rate are in flight
+    (work piling up before slow workers reaches the upstream later)."""
+    if paused or not _has_demand(demand):
+        return False
+    assert demand is not None
+    if demand.admitted + 1 < LOOP_SHARE * state.rate * max(0.0, now - state.last_tick):
+        return False
+    return inflight <= INFLIGHT_RTTS * state.rate * max(p.tick_seconds, state.round_trip_s)
+
+
+def _lift(
+    state: PacerState, dt: float, sent: float, accepted_rate: float, p: PacingParams
+) -> float:
+    """In slow start, the rate a refused window may leave at most when its
+    tick ramped past its starting rate: what the upstream accepted of it,
+    never above what was sent, nor above where the same window without its
+    refusals would have grown the rate (refusals never raise the rate)."""
+    clean = _grow(state, dt, accepted_rate, p).rate
+    return max(state.rate, min(sent, accepted_rate, clean))
+
+
 def _open_rate(
     window: OutcomeWindow, demand: Demand | None, p: PacingParams, before: float
 ) -> float | None:
@@ -534,11 +571,18 @@ def update_rate(
             cycle = max(state.since_wait_accepted / state.since_cut_s, p.decrease_factor * est)
             est = min(est, math.sqrt(cycle * est))
         rate = state.rate
-        if state.ceiling is None and demand is not None and dt > 0:
-            # slow start's tick ramped past its rate: reopen under what the
-            # upstream accepted of it, not under the rate the ramp began at
+        # slow start's tick ramped past its rate, and used its budget or was
+        # closed mid-tick: reopen under what the upstream accepted of it, not
+        # under the rate the ramp began at (nor above where the window without
+        # its refusals would have grown it: refusals never raise the rate)
+        ramped = demand is not None and dt > 0 and state.ceiling is None
+        if ramped and (
+            opened is not None
+            or _may_grow(state, demand, p, now=now, inflight=inflight, paused=paused)
+        ):
+            assert demand is not None
             sent = demand.admitted / dt if opened is None else opened
-            rate = max(rate, min(est, sent))
+            rate = max(rate, min(est, sent, _grow(state, dt, accepted_rate, p).rate))
         state = replace(
             state,
             rate=_clamp(rate, p),
@@ -621,20 +665,18 @@ def update_rate(
         if f_n * p.refusal_threshold >= p.refusal_min_count or (
             _heavy(f_ref, f_n, p) and f_ref >= START_MIN_FACTOR * p.refusal_min_count
         ):
-            return _end_slow_start(state, f_ref, f_n, sent, accepted_rate, p)
+            lift = state.rate
+            if _may_grow(state, demand, p, now=now, inflight=inflight, paused=paused):
+                lift = _lift(state, dt, sent, accepted_rate, p)
+            return _end_slow_start(state, f_ref, f_n, sent, accepted_rate, p, lift=lift)
         episode = False
     if episode:
         state = _cut(state, f_ref, f_n, sent, p, accepted_rate)
         if demand is None:  # a leader's first tick: the bucket may have refilled
             state = replace(state, saved=(state.ceiling or 0.0) * interval)
         return state
-    if paused or not _has_demand(demand):
+    if not _may_grow(state, demand, p, now=now, inflight=inflight, paused=paused):
         return state
-    assert demand is not None
-    if demand.admitted + 1 < LOOP_SHARE * state.rate * max(0.0, now - state.last_tick):
-        return state  # the loop ran late and released less than the rate: do not grow on it
-    if inflight > INFLIGHT_RTTS * state.rate * max(p.tick_seconds, state.round_trip_s):
-        return state  # work piles up before the upstream (slow workers): do not add to it
     if f_ref > 0 and state.ceiling is not None and state.rate >= state.ceiling:
         # refusals under the threshold: hold, do not grow into them
         return replace(state, ladder=0.0, saved=0.0, surplus=0.0, clean_s=0.0)
@@ -647,8 +689,9 @@ def update_rate(
         )
     ):
         # slow start meets saturation: a refusal under the threshold, or an
-        # accepted rate that stopped growing with the rate: hold
-        return state
+        # accepted rate that stopped growing with the rate: hold (a ramping
+        # tick at what it accepted, if more than the rate it began at)
+        return replace(state, rate=_lift(state, dt, sent, accepted_rate, p))
     if f_ref > 0:  # any refusal: the upstream was empty just then, the ceiling not stale
         state = replace(state, clean_s=0.0)
     return _grow(state, dt, accepted_rate, p)
@@ -803,19 +846,26 @@ def _end_slow_start(
     sent: float,
     accepted_rate: float,
     p: PacingParams,
+    *,
+    lift: float,
 ) -> PacerState:
     """The first episode of slow start: the rate was still growing while these
     outcomes were on their way, so ``sent * accepted share`` overstates the
     capacity by that growth; the rate drops to the accepted rate measured (the
     window's, or the average when outcomes came in a batch), never above that
     estimate. Never heavy: slow start ends before the capacity could change
-    under a window's outcomes."""
-    before = state.rate  # a ramping tick sent more: the ceiling remembers that
+    under a window's outcomes. ``lift``: how far a ramping tick may raise the
+    rate it began at (:func:`_lift`)."""
+    before = state.rate  # the rate the tick began at (a ramping tick sent more)
     state = _cut(state, refused, outcomes, sent, p)
     measured = max(accepted_rate, state.delivered)
     est = min(state.cut_bound, measured) if measured > 0 else state.cut_bound
     low = est * (1.0 - p.decrease_margin)
-    rate = min(before, sent, max(low, p.decrease_factor * sent))
+    # just under what was accepted (``low``), however far under it the ramp
+    # began (back at its start, the capacity would go unused while the rate
+    # climbed back), within the lift; a tick that began above ``low`` keeps
+    # at most its rate, cut no deeper than decrease_factor of what was sent
+    rate = min(max(before, min(low, lift)), sent, max(low, p.decrease_factor * sent))
     return replace(
         state, rate=_clamp(rate, p), ceiling=max(p.min_rate, low), firm=True, heavy=False
     )
@@ -985,7 +1035,9 @@ def plan_tick(
         inflight=inflight,
     )
     growth = 1.0
-    if state.ceiling is None and not state.episode and state.rate > before:
+    # (a hold on a few refusals may lift the rate to what a ramp accepted: no growth)
+    grew = state.rate > before and window.refused_fresh == 0
+    if state.ceiling is None and not state.episode and grew:
         period = max(params.tick_seconds, state.round_trip_s, SLOW_START_PERIOD_S)
         growth = params.slow_start_factor ** (1.0 / period)
     return tick_budget(

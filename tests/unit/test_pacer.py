@@ -10,7 +10,7 @@ import sys
 from dataclasses import replace
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pacerd import pacer
@@ -211,15 +211,16 @@ def test_a_ramp_stops_at_max_rate_and_needs_time_to_pay_for() -> None:
     assert (plan.budget, plan.ramp) == (0, 1.0)
 
 
-def test_slow_start_ends_at_no_more_than_the_rate_a_ramp_started_from() -> None:
-    # a tick sent 48 jobs from 30/s on; 8 of them refused: slow start ends,
-    # its ceiling at the 40/s accepted, the rate not above the tick's (the
-    # same window without the refusals would not have raised it past that)
+def test_slow_start_ends_at_what_its_ramp_accepted_not_at_the_rate_it_started_from() -> None:
+    # a tick ramped from 30/s and sent 48 jobs; 8 of them refused: slow start
+    # ends, its rate and ceiling just under the 40/s accepted (the upstream
+    # took that much: back at 30/s, a fifth of the capacity would go unused
+    # while the rate climbed back to its ceiling)
     state = replace(initial_state(P, now=T0), rate=30.0)
     window = OutcomeWindow(accepted=40, refused=8, accepted_fresh=40, refused_fresh=8)
     after, _ = run(state, window, full(48))
     assert after.ceiling == pytest.approx(40.0 * (1 - P.decrease_margin))
-    assert after.rate == 30.0
+    assert after.rate == pytest.approx(after.ceiling)
 
 
 def test_a_brake_on_a_ramp_measures_the_rate_released_by_then() -> None:
@@ -276,6 +277,22 @@ def test_slow_start_ends_at_the_measured_rate_not_at_its_overshoot() -> None:
     assert after.ceiling is not None
     assert after.rate == pytest.approx(100.0 * (1 - P.decrease_margin))
     assert after.rate <= 1.3 * 100.0
+
+
+def test_a_ramping_slow_start_tick_refused_a_little_holds_at_what_it_accepted() -> None:
+    # a tick ramped from 55/s to 165/s, sending 101 jobs; 6 of the 98 outcomes
+    # refused (too few to end slow start): the rate holds at the 92/s accepted,
+    # not at the 55/s the ramp began at (a second at 55 % of the capacity)
+    state = replace(initial_state(P, now=T0), rate=55.0)
+    window = OutcomeWindow(accepted=92, refused=6, accepted_fresh=92, refused_fresh=6)
+    after, plan = run(state, window, full(101))
+    assert (after.ceiling, after.epoch) == (None, 0)
+    assert after.rate == pytest.approx(92.0)
+    assert plan.ramp == 1.0  # held: no growth within the tick either
+    # never above what was sent, nor under the rate it had
+    low = OutcomeWindow(accepted=40, refused=6, accepted_fresh=40, refused_fresh=6)
+    after, _ = run(state, low, full(101))
+    assert after.rate == 55.0
 
 
 def test_slow_start_holds_on_a_refusal_under_the_episode_threshold() -> None:
@@ -1015,6 +1032,16 @@ def test_invariants_hold_over_any_history(params: PacingParams, steps: list[Step
             assert plan.budget == 0
 
 
+# Two windows a search found: slow start (factor 1, a late tick paying for
+# two) ended or reopened from a Retry-After above the rate the same window
+# without refusals kept.
+_LATE = PacingParams(
+    tick_seconds=0.25, initial_rate=1.0, min_rate=1.0, max_rate=200.0, increase_step=1.0,
+    decrease_factor=0.5, decrease_margin=0.0, refusal_threshold=0.0, max_inflight=1,
+    live_share=0.0, slow_start_factor=1.0, refusal_min_count=1, ceiling_resume_fraction=1.0,
+)  # fmt: skip
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     PARAMS,
@@ -1023,6 +1050,15 @@ def test_invariants_hold_over_any_history(params: PacingParams, steps: list[Step
     st.integers(1, 200),
     st.integers(0, 200),
 )
+@example(
+    _LATE, [], (OutcomeWindow(accepted=5, accepted_fresh=5), full(1), 1.0, 0, 0.0, False), 4, 0
+)
+@example(
+    replace(_LATE, slow_start_factor=2.0), [],
+    (OutcomeWindow(accepted=1, retry_after_s=1.0), Demand(budget=2, admitted=1), 1.0, 0, 0.0,
+     False),
+    1, 0,
+)  # fmt: skip
 def test_refusals_never_raise_the_rate(
     params: PacingParams, history: list[Step], step: Step, fresh: int, stale: int
 ) -> None:
