@@ -768,11 +768,11 @@ def simulate_seeds(chosen: list[Plan], seeds: int) -> str:
         got = [metrics(plan, run_sim(plan, seed)) for seed in range(seeds)]
         for seed, m in enumerate(got):
             rows.append([plan.key, seed, *(m.get(c, math.nan) for c in COLUMNS)])
-        for label, pick in (("worst", "worst"), ("mean", "mean")):
+        for label in ("worst", "mean"):
             summary: list[object] = []
             for c in COLUMNS:
                 values = [m.get(c, math.nan) for m in got]
-                if pick == "mean":
+                if label == "mean":
                     summary.append(sum(values) / len(values))
                 else:  # the lowest utilization, the highest of everything else
                     summary.append(min(values) if c == "util" else max(values))

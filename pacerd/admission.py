@@ -647,12 +647,11 @@ class DestinationAdmission:
                         break
                     if clean is not None and self.clock.monotonic() >= next_brake:
                         next_brake = self.clock.monotonic() + BRAKE_CHECK_SECONDS
-                        # the outcomes heard left about a check's interval ago,
-                        # on the plan's ramp; after a cut, evenly at its rate
+                        # the outcomes heard left about a check's interval ago
                         heard = self.clock.monotonic() - started - BRAKE_CHECK_SECONDS
-                        assert self.state is not None
-                        rate = pacer.ramp_rate(plan, heard) if not earlier else self.state.rate
-                        clean, clean_at, cut = await self._brake(clean, since=clean_at, sent=rate)
+                        clean, clean_at, cut = await self._brake(
+                            clean, since=clean_at, sent=pacer.ramp_rate(plan, heard)
+                        )
                         if cut:
                             # The claims not yet sent go back and the rest of the
                             # tick is claimed afresh at the cut's epoch, evenly
@@ -669,6 +668,9 @@ class DestinationAdmission:
                             claims = await self._claim_again(claims, sent, n, live)
                             sent, i = 0, 0
                             slices = on_grid([done + k * (span - done) / n for k in range(n)], 0)
+                            # released evenly at the cut's rate from now on: the
+                            # next brake measures that rate, not the plan's ramp
+                            plan = replace(plan, rate=self.state.rate, ramp=1.0)
                             if not pacer.watches(self.state, params, inflight=inflight):
                                 clean = None  # past slow start, on a long round trip
                             continue

@@ -480,14 +480,22 @@ def _may_grow(
 
 
 def _lift(
-    state: PacerState, dt: float, sent: float, accepted_rate: float, p: PacingParams
+    state: PacerState,
+    dt: float,
+    p: PacingParams,
+    *,
+    sent: float,
+    accepted_rate: float,
+    accepted: float | None = None,
 ) -> float:
     """In slow start, the rate a refused window may leave at most when its
-    tick ramped past its starting rate: what the upstream accepted of it,
-    never above what was sent, nor above where the same window without its
-    refusals would have grown the rate (refusals never raise the rate)."""
+    tick ramped past its starting rate: what the upstream accepted of it
+    (``accepted``, by default the window's ``accepted_rate``; a
+    Retry-After's estimate), never above what was sent, nor above where the
+    same window without its refusals would have grown the rate (refusals
+    never raise the rate)."""
     clean = _grow(state, dt, accepted_rate, p).rate
-    return max(state.rate, min(sent, accepted_rate, clean))
+    return max(state.rate, min(sent, accepted_rate if accepted is None else accepted, clean))
 
 
 def _open_rate(
@@ -526,6 +534,7 @@ def update_rate(
     # the bounds hold on every path, also right after a reload moved them
     state = replace(state, rate=_clamp(state.rate, p))
     dt = _elapsed(state, now, p)
+    may_grow = _may_grow(state, demand, p, now=now, inflight=inflight, paused=paused)
     interval = window.interval_seconds or dt
     accepted_rate = window.accepted / interval if interval > 1e-9 else 0.0
     delivered_before, window_before = state.delivered, state.window_rate
@@ -573,16 +582,12 @@ def update_rate(
         rate = state.rate
         # slow start's tick ramped past its rate, and used its budget or was
         # closed mid-tick: reopen under what the upstream accepted of it, not
-        # under the rate the ramp began at (nor above where the window without
-        # its refusals would have grown it: refusals never raise the rate)
+        # under the rate the ramp began at
         ramped = demand is not None and dt > 0 and state.ceiling is None
-        if ramped and (
-            opened is not None
-            or _may_grow(state, demand, p, now=now, inflight=inflight, paused=paused)
-        ):
+        if ramped and (opened is not None or may_grow):
             assert demand is not None
             sent = demand.admitted / dt if opened is None else opened
-            rate = max(rate, min(est, sent, _grow(state, dt, accepted_rate, p).rate))
+            rate = _lift(state, dt, p, sent=sent, accepted=est, accepted_rate=accepted_rate)
         state = replace(
             state,
             rate=_clamp(rate, p),
@@ -666,8 +671,8 @@ def update_rate(
             _heavy(f_ref, f_n, p) and f_ref >= START_MIN_FACTOR * p.refusal_min_count
         ):
             lift = state.rate
-            if _may_grow(state, demand, p, now=now, inflight=inflight, paused=paused):
-                lift = _lift(state, dt, sent, accepted_rate, p)
+            if may_grow:
+                lift = _lift(state, dt, p, sent=sent, accepted_rate=accepted_rate)
             return _end_slow_start(state, f_ref, f_n, sent, accepted_rate, p, lift=lift)
         episode = False
     if episode:
@@ -675,7 +680,7 @@ def update_rate(
         if demand is None:  # a leader's first tick: the bucket may have refilled
             state = replace(state, saved=(state.ceiling or 0.0) * interval)
         return state
-    if not _may_grow(state, demand, p, now=now, inflight=inflight, paused=paused):
+    if not may_grow:
         return state
     if f_ref > 0 and state.ceiling is not None and state.rate >= state.ceiling:
         # refusals under the threshold: hold, do not grow into them
@@ -691,7 +696,7 @@ def update_rate(
         # slow start meets saturation: a refusal under the threshold, or an
         # accepted rate that stopped growing with the rate: hold (a ramping
         # tick at what it accepted, if more than the rate it began at)
-        return replace(state, rate=_lift(state, dt, sent, accepted_rate, p))
+        return replace(state, rate=_lift(state, dt, p, sent=sent, accepted_rate=accepted_rate))
     if f_ref > 0:  # any refusal: the upstream was empty just then, the ceiling not stale
         state = replace(state, clean_s=0.0)
     return _grow(state, dt, accepted_rate, p)
