@@ -69,12 +69,16 @@ WITH b AS (
         FOR UPDATE OF j SKIP LOCKED
     ) x
 ), shares AS (
+    -- each lane's count per destination, aggregated once (a count per
+    -- destination over the whole lane is quadratic in the destinations)
     SELECT o.destination, o.lim, o.claim_seconds, o.epoch,
-           least((SELECT count(*) FROM live l WHERE l.destination = o.destination),
-                 greatest(o.live_limit::bigint,
-                          o.lim::bigint - (SELECT count(*) FROM backlog k
-                                           WHERE k.destination = o.destination))) AS n_live
+           least(coalesce(l.n, 0),
+                 greatest(o.live_limit::bigint, o.lim::bigint - coalesce(k.n, 0))) AS n_live
     FROM open o
+    LEFT JOIN (SELECT destination, count(*) AS n FROM live GROUP BY destination) l
+           ON l.destination = o.destination
+    LEFT JOIN (SELECT destination, count(*) AS n FROM backlog GROUP BY destination) k
+           ON k.destination = o.destination
 ), picked AS (
     SELECT l.job_id, true AS live, s.claim_seconds, s.epoch FROM (
         SELECT x.destination, x.job_id,
