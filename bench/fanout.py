@@ -131,6 +131,12 @@ PACERD = Path(sys.executable).with_name("pacerd")  # .venv/bin/pacerd
 LEADER_APPLICATION_NAME = "pacerd:leader"
 TICK_HISTOGRAM = "pacerd_tick_duration_seconds"
 STATEMENTS_COUNTER = "pacerd_ledger_statements_total"
+OUTCOMES_COUNTER = "pacerd_outcomes_total"
+# The outcome consumer's statements: one per batch of reports, so their
+# number follows the outcomes a second (the jobs completed), not the
+# destinations; the others are the tick loop's, the reconciler's, the due
+# summary's and the lock session's.
+OUTCOME_STATEMENTS = frozenset({"apply_reports", "lock_reported"})
 SECTIONS = ("drain", "idle", "statements", "twins")
 
 # The issue's targets.
@@ -193,6 +199,15 @@ def metric_sum(samples: Iterable[Sample], name: str) -> float | None:
     """The sum over every series of ``name``; None when it is not exported."""
     values = [v for n, _, v in samples if n == name]
     return sum(values) if values else None
+
+
+def statements_by_name(samples: Iterable[Sample]) -> dict[str, float]:
+    """``pacerd_ledger_statements_total`` by its ``statement`` label."""
+    out: dict[str, float] = {}
+    for name, labels, value in samples:
+        if name == STATEMENTS_COUNTER and "statement" in labels:
+            out[labels["statement"]] = out.get(labels["statement"], 0.0) + value
+    return out
 
 
 def histogram_buckets(samples: Iterable[Sample], base: str) -> dict[float, float]:
@@ -1050,6 +1065,17 @@ async def section_statements(run: Run) -> dict[str, Any]:
             "the same (within 25 %)",
             "PASS" if spread <= 1.25 else "FAIL",
         )
+        other = [v.get("other_statements_per_tick", 0.0) for v in out["levels"].values()]
+        if min(other) > 0:
+            spread = max(other) / min(other)
+            out["other_max_over_min"] = spread
+            run.row(
+                "statements",
+                "most / fewest statements per tick besides the outcome consumer's",
+                spread,
+                "the same (within 25 %)",
+                "PASS" if spread <= 1.25 else "FAIL",
+            )
     return out
 
 
@@ -1077,6 +1103,15 @@ def _statement_figures(
         s0, s1 = metric_sum(m0, STATEMENTS_COUNTER), metric_sum(m1, STATEMENTS_COUNTER)
         if s0 is not None and s1 is not None:
             figures["statements_per_tick"] = per_tick(s1 - s0, wall, run.tick)
+            n0, n1 = statements_by_name(m0), statements_by_name(m1)
+            by_name = {k: per_tick(v - n0.get(k, 0.0), wall, run.tick) for k, v in n1.items()}
+            figures["statements_by_name"] = by_name
+            outcome = sum(v for k, v in by_name.items() if k in OUTCOME_STATEMENTS)
+            figures["outcome_statements_per_tick"] = outcome
+            figures["other_statements_per_tick"] = sum(by_name.values()) - outcome
+            o0, o1 = metric_sum(m0, OUTCOMES_COUNTER), metric_sum(m1, OUTCOMES_COUNTER)
+            if o0 is not None and o1 is not None:
+                figures["outcomes_per_tick"] = per_tick(o1 - o0, wall, run.tick)
         buckets = bucket_delta(
             histogram_buckets(m0, TICK_HISTOGRAM), histogram_buckets(m1, TICK_HISTOGRAM)
         )
@@ -1108,6 +1143,30 @@ def _statement_rows(run: Run, level: int, m: dict[str, Any], args: argparse.Name
             "statements",
             f"{level:,} active: transactions per tick (xact_commit+rollback)",
             m["xacts_per_tick"],
+            "–",
+            "",
+        )
+    if "statements_by_name" in m:
+        outcomes = m.get("outcomes_per_tick", math.nan)
+        run.row(
+            "statements",
+            f"{level:,} active: the outcome consumer's statements per tick (outcomes per tick)",
+            f"{m['outcome_statements_per_tick']:.1f} ({outcomes:,.0f})",
+            "–",
+            "",
+        )
+        run.row(
+            "statements",
+            f"{level:,} active: every other statement per tick (tick loop, reconciler, leadership)",
+            m["other_statements_per_tick"],
+            "the same at every level",
+            "",
+        )
+        busiest = sorted(m["statements_by_name"].items(), key=lambda kv: -kv[1])
+        run.row(
+            "statements",
+            f"{level:,} active: per tick by name",
+            ", ".join(f"{k} {v:.1f}" for k, v in busiest if v >= 0.05),
             "–",
             "",
         )

@@ -121,6 +121,7 @@ class Daemon:
             self.cfg.database.dsn, max_size=self.cfg.database.pool_max_size,
             connect_timeout=self.cfg.database.connect_timeout_seconds,
         )  # fmt: skip
+        self.observer.count_statements(led.statements, self.locks.statements)
         try:
             await led.prepare(self.cfg.retry, self.cfg.destinations)
             self.leadership = Leadership(
@@ -241,8 +242,7 @@ def main(cfg: Config, *, config_path: str | None, shadow: bool = False) -> int:
 
     async def run() -> int:
         # Built inside the event loop: the daemon's events belong to it.
-        daemon = Daemon(cfg, config_path=config_path, telemetry=telemetry, shadow=shadow)
-        return await daemon.run()
+        return await Daemon(cfg, config_path=config_path, telemetry=telemetry, shadow=shadow).run()
 
     try:
         return int(anyio.run(run, backend_options={"use_uvloop": True}))

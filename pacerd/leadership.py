@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -92,6 +93,8 @@ class LeaderLocks:
         self._confirmed_at = -math.inf
         self._io: anyio.Lock | None = None
         self._changed: anyio.Event | None = None
+        self.statements: Counter[str] = Counter()  # sent on the lock session, by name
+        self._queries = load_queries()
 
     # -- local view (no I/O) ---------------------------------------------------
 
@@ -196,13 +199,15 @@ class LeaderLocks:
             with contextlib.suppress(Exception):
                 await conn.close(timeout=2)
 
-    async def _query(self, sql: str, *args: Any) -> Any:
-        """One statement on the lock session, serialised, bounded in time and
-        shielded (a cancelled query must not disturb the session); a session
-        that does not answer in time is given up."""
+    async def _query(self, name: str, *args: Any) -> Any:
+        """The named statement on the lock session, serialised, bounded in
+        time and shielded (a cancelled query must not disturb the session); a
+        session that does not answer in time is given up."""
         conn = self._conn
         if conn is None:
             raise LedgerUnavailable("the leadership session is not connected")
+        self.statements[name] += 1
+        sql = self._queries[name].sql
         try:
             with anyio.CancelScope(shield=True):
                 return await conn.fetchval(sql, *args, timeout=self.probe_timeout_seconds)
@@ -230,7 +235,7 @@ class LeaderLocks:
                 return self._conn is not None
             sent = self.clock.monotonic()
             try:
-                await self._query(load_queries()["probe_session"].sql)
+                await self._query("probe_session")
             except LedgerUnavailable:
                 return False
             self._confirmed_at = max(self._confirmed_at, sent)
@@ -274,7 +279,7 @@ class LeaderLocks:
             return False
         async with self._lock():
             sent = self.clock.monotonic()
-            got = bool(await self._query(load_queries()["try_acquire"].sql, LEADER_NAMESPACE, name))
+            got = bool(await self._query("try_acquire", LEADER_NAMESPACE, name))
             self._confirmed_at = max(self._confirmed_at, sent)
         if got:
             self._held.add(name)
@@ -300,7 +305,7 @@ class LeaderLocks:
         if self._conn is None:
             return
         async with self._lock():
-            await self._query(load_queries()["release"].sql, LEADER_NAMESPACE, name)
+            await self._query("release", LEADER_NAMESPACE, name)
 
     async def count_instances(self) -> int:
         """Live pacerd instances on this ledger: leadership sessions connected
@@ -308,7 +313,7 @@ class LeaderLocks:
         if self._conn is None:
             return 1
         async with self._lock():
-            n = await self._query(load_queries()["count_instances"].sql, LEADER_APPLICATION_NAME)
+            n = await self._query("count_instances", LEADER_APPLICATION_NAME)
         return max(1, int(n or 0))
 
 

@@ -14,6 +14,7 @@ import contextlib
 import functools
 import json
 import re
+from collections import Counter
 from dataclasses import dataclass
 from importlib import resources
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -314,6 +315,9 @@ class Ledger:
     def __init__(self, pool: asyncpg.Pool) -> None:
         self.pool = pool
         self.queries = load_queries()
+        # The named statements sent, by name (a retry of one counts once):
+        # ``pacerd.ledger.statements`` on the metrics.
+        self.statements: Counter[str] = Counter()
 
     @classmethod
     async def connect(cls, dsn: str, *, max_size: int = 8, connect_timeout: float = 10.0) -> Ledger:
@@ -327,6 +331,8 @@ class Ledger:
             await self.pool.close()
 
     def _sql(self, name: str) -> str:
+        """The text of the named statement about to be sent (and counted)."""
+        self.statements[name] += 1
         return self.queries[name].sql
 
     async def _fetch(self, name: str, *args: Any) -> list[asyncpg.Record]:

@@ -18,7 +18,7 @@ from pacerd.publisher import message_id
 from pacerd.telemetry import inject_traceparent
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Sequence
+    from collections.abc import Iterator, Mapping, Sequence
     from typing import Protocol
 
     from pacerd.admission import TickResult
@@ -55,6 +55,11 @@ class TelemetryObserver:
         self.due.pop(destination, None)
         if self.telemetry is not None:
             self.telemetry.forget_destination(destination)
+
+    def count_statements(self, *counts: Mapping[str, int]) -> None:
+        """The statements sent so far, by name (``Telemetry.count_statements``)."""
+        if self.telemetry is not None:
+            self.telemetry.count_statements(*counts)
 
     def tick_span(self, destination: str, *, shadow: bool) -> AbstractContextManager[Any]:
         if self.telemetry is None:

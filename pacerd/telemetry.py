@@ -87,6 +87,7 @@ import platform
 import re
 import sys
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, TextIO
@@ -157,6 +158,7 @@ METRIC_PUBLISH_CONFIRM = "pacerd.publish.confirm_duration_seconds"
 METRIC_PUBLISH_FAILURES = "pacerd.publish.failures"
 METRIC_BUILD_INFO = "pacerd.build_info"
 METRIC_DESTINATIONS = "pacerd.destinations"
+METRIC_LEDGER_STATEMENTS = "pacerd.ledger.statements"
 METRICS = (
     METRIC_RATE, METRIC_ADMITTED, METRIC_REFUSALS, METRIC_INFLIGHT, METRIC_DUE,
     METRIC_OLDEST_DUE_AGE, METRIC_DRAIN_ETA, METRIC_LEASES_RECLAIMED, METRIC_OUTCOMES,
@@ -661,12 +663,30 @@ class Telemetry:
         self.outcomes_invalid = meter.create_counter(
             METRIC_OUTCOMES_INVALID, "{message}", "Malformed outcome messages parked"
         )
+        # what the ledger and the lock session sent, by statement name
+        self._statement_counts_by: list[Mapping[str, int]] = []
+        self.ledger_statements = meter.create_observable_counter(
+            METRIC_LEDGER_STATEMENTS, [self._statement_counts], "{statement}",
+            "Named SQL statements sent to the ledger, by name",
+        )  # fmt: skip
         self.tick_duration = meter.create_histogram(
             METRIC_TICK_DURATION,
             "s",
             "One tick of one destination until its first release may go: read, plan, first claim",
             explicit_bucket_boundaries_advisory=_TICK_BUCKETS_SECONDS,
         )
+
+    def count_statements(self, *counts: Mapping[str, int]) -> None:
+        """Reports ``counts`` (statements sent so far, by name; each a
+        ``Counter`` that only grows) on ``pacerd.ledger.statements``, summed
+        under each name."""
+        self._statement_counts_by.extend(counts)
+
+    def _statement_counts(self, options: CallbackOptions) -> Iterable[Observation]:
+        totals: Counter[str] = Counter()
+        for counts in self._statement_counts_by:
+            totals.update(dict(counts))  # a copy taken at once: the loop may add a name
+        return [Observation(n, {"statement": name}) for name, n in sorted(totals.items())]
 
     # spans
 

@@ -88,6 +88,10 @@ async def test_broker_outage_fails_readiness_not_liveness(
                     await anyio.sleep(0.1)
             _, metrics = await http_get(port, "/metrics")
             assert sample(metrics, "pacerd_build_info", instance_name=INSTANCE) == 1
+            # the statements sent so far, by name: the lock session's and the ledger's
+            for statement in ("try_acquire", "wake_destinations"):
+                counted = sample(metrics, "pacerd_ledger_statements_total", statement=statement)
+                assert (counted or 0) >= 1, statement
             assert (await http_get(port, "/livez"))[0] == 200
 
             proxy.refuse = True

@@ -21,6 +21,7 @@ def exercise_every_metric(tel: Telemetry, destination: str = "mail") -> None:
     for ``destination`` and for ``GROUPED``, whose series are its group's when
     the telemetry's series rule is ``grouped_series``."""
     tel.record_reconcile(claims_released=1, offers_rescheduled=1, offers_dead=1)
+    tel.count_statements({"claim_due": 2})
     tel.record_outcome("refused", "stale")
     tel.record_invalid_outcome("not_json")
     for name in (destination, GROUPED):

@@ -25,8 +25,8 @@ pacerd_tick_duration_seconds_count{destination="tenant-00002"} 4.0
 pacerd_tick_duration_seconds_sum{destination="tenant-00002"} 0.5
 # HELP pacerd_ledger_statements_total Statements
 # TYPE pacerd_ledger_statements_total counter
-pacerd_ledger_statements_total{kind="claim"} 30.0
-pacerd_ledger_statements_total{kind="mark"} 12.0
+pacerd_ledger_statements_total{statement="claim_due"} 30.0
+pacerd_ledger_statements_total{statement="apply_reports"} 12.0
 """
 
 
@@ -48,6 +48,12 @@ def test_buckets_are_summed_over_every_series() -> None:
     assert fanout.metric_sum(samples, fanout.STATEMENTS_COUNTER) == 42.0
     assert fanout.metric_sum(samples, "pacerd_absent_total") is None
     assert fanout.histogram_buckets(samples, "pacerd_absent_seconds") == {}
+
+
+def test_statements_are_read_by_name() -> None:
+    samples = fanout.parse_metrics(EXPOSITION)
+    assert fanout.statements_by_name(samples) == {"claim_due": 30.0, "apply_reports": 12.0}
+    assert fanout.OUTCOME_STATEMENTS & set(fanout.statements_by_name(samples)) == {"apply_reports"}
 
 
 def test_quantile_interpolates_inside_its_bucket_as_prometheus_does() -> None:

@@ -10,6 +10,7 @@ import os
 import platform
 import threading
 import time
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import aiormq.exceptions
@@ -182,6 +183,21 @@ def test_outcome_span_continues_the_trace_from_message_headers(harness: Harness)
     assert outcome.attributes is not None
     assert outcome.attributes["pacerd.result"] == "applied"
     assert not extract_context(None)  # no headers: an empty context, a new trace
+
+
+def test_statements_by_name_are_summed_over_their_sources_as_they_grow(
+    harness: Harness,
+) -> None:
+    tel = harness.telemetry
+    ledger, locks = Counter({"claim_due": 3, "apply_reports": 5}), Counter({"try_acquire": 2})
+    tel.count_statements(ledger, locks)
+    ledger["claim_due"] += 1
+    locks["claim_due"] += 1  # a name may come from several sources
+    assert harness.points(tm.METRIC_LEDGER_STATEMENTS) == {
+        frozenset({("statement", "claim_due")}): 5,
+        frozenset({("statement", "apply_reports")}): 5,
+        frozenset({("statement", "try_acquire")}): 2,
+    }
 
 
 def test_metric_values(harness: Harness) -> None:
@@ -362,7 +378,7 @@ def test_prometheus_names_on_metrics(harness: Harness) -> None:
         "pacerd_drain_eta_seconds", "pacerd_leases_reclaimed_total", "pacerd_outcomes_total",
         "pacerd_dead", "pacerd_leader", "pacerd_paused", "pacerd_cooldown",
         "pacerd_publish_confirm_duration_seconds_bucket", "pacerd_publish_failures_total",
-        "pacerd_build_info", "pacerd_destinations",
+        "pacerd_build_info", "pacerd_destinations", "pacerd_ledger_statements_total",
     } <= names  # fmt: skip
 
 
