@@ -79,7 +79,9 @@ class TelemetryObserver:
         if self.telemetry is None:
             yield headers
             return
-        messages = [message_id(job.job_id, job.attempt) for job in jobs]
+        # the message ids are the span's attributes: none when spans are not recorded
+        recorded = self.telemetry.record_spans
+        messages = [message_id(job.job_id, job.attempt) for job in jobs] if recorded else []
         with self.telemetry.publish_span(destination, messages=messages):
             inject_traceparent(headers)
             began = self.clock.monotonic()

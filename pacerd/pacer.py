@@ -532,21 +532,23 @@ def update_rate(
     """The law's step: the state after this tick's window (budget untouched)."""
     p, m = params, params.decrease_margin
     # the bounds hold on every path, also right after a reload moved them
-    state = replace(state, rate=_clamp(state.rate, p))
+    rate = _clamp(state.rate, p)
+    if rate != state.rate:
+        state = replace(state, rate=rate)
     dt = _elapsed(state, now, p)
     may_grow = _may_grow(state, demand, p, now=now, inflight=inflight, paused=paused)
     interval = window.interval_seconds or dt
     accepted_rate = window.accepted / interval if interval > 1e-9 else 0.0
     delivered_before, window_before = state.delivered, state.window_rate
+    delivered, window_rate = delivered_before, window_before
     if interval > 1e-9 and not state.cooling:  # a closed destination delivers nothing
         w = 1.0 - math.exp(-interval / (DELIVERED_TICKS * p.tick_seconds))
-        state = replace(
-            state,
-            delivered=state.delivered + w * (accepted_rate - state.delivered),
-            window_rate=accepted_rate,
-        )
-    state = replace(
+        delivered = state.delivered + w * (accepted_rate - state.delivered)
+        window_rate = accepted_rate
+    state = replace(  # the window heard and the time gone, in one new state
         state,
+        delivered=delivered,
+        window_rate=window_rate,
         since_wait_accepted=state.since_wait_accepted + window.accepted if state.token_wait else 0,
         # by the time really gone (a parked destination's drop is old news)
         peak=state.peak * math.exp(-max(0.0, now - state.last_tick) / PEAK_S),

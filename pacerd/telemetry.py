@@ -528,13 +528,28 @@ class LatestValues:
         return key
 
     def set(self, name: str, value: float, attributes: Mapping[str, str]) -> None:
+        destination = attributes.get("destination")
+        if destination is not None:
+            rest = {k: v for k, v in attributes.items() if k != "destination"}
+            self.set_for(destination, [(name, value, rest)])
+            return
         key = tuple(sorted(attributes.items()))
         with self._lock:
-            destination = attributes.get("destination")
-            if destination is not None:
-                self._key_locked(destination)
-                self._owned.setdefault(destination, set()).add((name, key))
             self._series.setdefault(name, {})[key] = value
+
+    def set_for(
+        self, destination: str, values: Iterable[tuple[str, float, Mapping[str, str]]]
+    ) -> None:
+        """Gauges of one destination at once (a tick sets several): each
+        ``(name, value, attributes besides the destination)``."""
+        own = ("destination", destination)
+        with self._lock:
+            self._key_locked(destination)
+            owned = self._owned.setdefault(destination, set())
+            for name, value, rest in values:
+                key = tuple(sorted((own, *rest.items()))) if rest else (own,)
+                owned.add((name, key))
+                self._series.setdefault(name, {})[key] = value
 
     def discard(self, name: str, attributes: Mapping[str, str]) -> None:
         """Drops one series (its value is no longer known)."""
@@ -774,6 +789,8 @@ class Telemetry:
         """Around the publish of one release slice (``messages``: the slice's
         ``job_id:attempt`` message ids); call ``inject_traceparent`` inside it
         for the headers every message of the slice carries."""
+        if not self.record_spans:  # the context alone: nothing reads the attributes
+            return self.span(SPAN_PUBLISH, kind=SpanKind.PRODUCER)
         attrs: dict[str, AttributeValue | None] = {
             "messaging.system": "rabbitmq",
             "messaging.operation.type": "send",
@@ -850,16 +867,18 @@ class Telemetry:
         Call it inside ``tick_span`` (or pass ``span``). In shadow mode
         ``admitted`` is what the tick would have admitted.
         """
-        where = {"destination": destination}
-        latest = self.latest
-        latest.set(METRIC_RATE, rate, where)
-        latest.set(METRIC_INFLIGHT, inflight, where)
-        latest.set(METRIC_DUE, due, where)
-        latest.set(METRIC_OLDEST_DUE_AGE, oldest_due_age_seconds or 0.0, where)
+        latest, none = self.latest, dict[str, str]()
+        gauges: list[tuple[str, float, Mapping[str, str]]] = [
+            (METRIC_RATE, rate, none),
+            (METRIC_INFLIGHT, inflight, none),
+            (METRIC_DUE, due, none),
+            (METRIC_OLDEST_DUE_AGE, oldest_due_age_seconds or 0.0, none),
+        ]
         if drain_eta_seconds is not None:
-            latest.set(METRIC_DRAIN_ETA, drain_eta_seconds, where)
+            gauges.append((METRIC_DRAIN_ETA, drain_eta_seconds, none))
         else:  # unknown now (nothing due, or no rate): not reported
-            latest.discard(METRIC_DRAIN_ETA, where)
+            latest.discard(METRIC_DRAIN_ETA, {"destination": destination})
+        latest.set_for(destination, gauges)
         series = self.series_attributes(destination)
         if admitted:
             mode = "shadow" if shadow else "active"
@@ -936,16 +955,19 @@ class Telemetry:
         self, destination: str, *, paused: bool, paused_locally: bool, cooldown: bool
     ) -> None:
         """Why the last tick admitted nothing, if it was paused or cooling down."""
-        latest, where = self.latest, {"destination": destination}
-        latest.set(METRIC_PAUSED, int(paused), {**where, "scope": "ledger"})
-        latest.set(METRIC_PAUSED, int(paused_locally), {**where, "scope": "local"})
-        latest.set(METRIC_COOLDOWN, int(cooldown), where)
+        self.latest.set_for(destination, [
+            (METRIC_PAUSED, int(paused), {"scope": "ledger"}),
+            (METRIC_PAUSED, int(paused_locally), {"scope": "local"}),
+            (METRIC_COOLDOWN, int(cooldown), {}),
+        ])  # fmt: skip
 
     def record_publish(
         self, destination: str, *, confirm_seconds: float | None = None,
         nacked: int = 0, returned: int = 0, timeouts: int = 0,
     ) -> None:  # fmt: skip
         """A release slice's time to its last confirm, and the publishes that failed."""
+        if confirm_seconds is None and not (nacked or returned or timeouts):
+            return  # a tick whose publishes all went through
         where = self.series_attributes(destination)
         if confirm_seconds is not None:
             self.publish_confirm.record(confirm_seconds, where)
