@@ -5,6 +5,7 @@ rows that this script creates and drops itself.
     .venv/bin/python -m bench.claim                        # 10k and 1M rows, ~5 minutes
     .venv/bin/python -m bench.claim --rows 1000000 --batch 500
     .venv/bin/python -m bench.claim --rows 10000 --no-plans
+    .venv/bin/python -m bench.claim --destinations 1000 --per 2   # one tick's claim for many
 
 For every backlog size and batch size it prints rows/s, and p50/p99 of the
 per-batch latency (claim + confirm, and the claim alone), and for a batch of
@@ -13,6 +14,12 @@ runs as the tick runs it: a live share of a fifth reserved (unused here: the
 backlog is all overdue), a 60 s live window, oldest first.
 
 The statement is the daemon's own ``claim_due`` from ``queries.sql``.
+
+``--destinations N`` measures instead the claim of one tick for N
+destinations (100 due jobs each), ``--per`` jobs each, as the tick loop
+sends it: one statement, rolled back after each of ``--repeat`` runs (and
+a first one, not counted, that warms the caches); it
+prints the statement's p50 and max.
 
 Each (size, batch) run claims at most ``--max-batches`` batches or
 ``--max-seconds`` seconds, whichever comes first; the claimed rows are then
@@ -202,6 +209,57 @@ async def bench_size(args: argparse.Namespace, rows: int) -> list[str]:
     return lines
 
 
+async def bench_destinations(args: argparse.Namespace) -> list[str]:
+    """One claim statement for ``--destinations`` destinations, timed."""
+    n, per = args.destinations, args.per
+    name = f"pacerd_bench_claim_{uuid.uuid4().hex[:8]}"
+    await common.admin(f'CREATE DATABASE "{name}"')
+    try:
+        dsn = common.dsn_for(name)
+        await ledger.migrate(dsn)
+        conn = await asyncpg.connect(dsn)
+        try:
+            names = [f"tenant-{i:05d}" for i in range(n)]
+            await conn.execute(
+                "INSERT INTO pacerd.destinations (destination) SELECT unnest($1::text[])", names
+            )
+            await conn.execute(
+                "INSERT INTO pacerd.jobs (job_id, kind, destination, max_attempts,"
+                " next_attempt_at, payload)"
+                " SELECT d || '-' || k, 'bench', d, 10,"
+                "        now() - interval '1 hour' + k * interval '1 ms', '{}'"
+                " FROM unnest($1::text[]) d, generate_series(1, 100) k",
+                names,
+            )
+            await conn.execute("VACUUM (ANALYZE) pacerd.jobs")
+            sql = ledger.load_queries()["claim_due"].sql
+            claim = (names, [0] * n, [per] * n, [30.0] * n, [0] * n, [LIVE_WINDOW_SECONDS] * n)
+            times: list[float] = []
+            for run in range(args.repeat + 1):  # the first warms the caches: not counted
+                tx = conn.transaction()
+                await tx.start()
+                try:
+                    t0 = time.perf_counter()
+                    got = await conn.fetch(sql, *claim, None, "bench")
+                    if run:
+                        times.append(time.perf_counter() - t0)
+                finally:
+                    await tx.rollback()
+                assert len(got) == n * per, len(got)
+        finally:
+            await conn.close()
+    finally:
+        if not args.keep:
+            await common.admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    line = (
+        f"{n:,} destinations x {per} jobs: one claim statement p50"
+        f" {1000 * statistics.median(times):.1f} ms, max {1000 * max(times):.1f} ms"
+        f" ({len(times)} runs)"
+    )
+    print(line, flush=True)
+    return [line]
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else "")
     parser.add_argument(
@@ -212,7 +270,13 @@ async def main() -> None:
     parser.add_argument("--max-seconds", type=float, default=20.0, help="per (size, batch) run")
     parser.add_argument("--no-plans", dest="plans", action="store_false", help="no full plans")
     parser.add_argument("--keep", action="store_true", help="keep the scratch database")
+    parser.add_argument("--destinations", type=int, default=0, help="one tick's claim for N")
+    parser.add_argument("--per", type=int, default=2, help="with --destinations: jobs each")
+    parser.add_argument("--repeat", type=int, default=20, help="with --destinations: runs")
     args = parser.parse_args()
+    if args.destinations:
+        await bench_destinations(args)
+        return
     summary: list[str] = []
     for rows in args.rows:
         summary.extend(await bench_size(args, rows))
