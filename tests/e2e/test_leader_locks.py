@@ -85,6 +85,13 @@ async def test_a_terminated_lock_session_drops_leadership_at_once(
     assert usable_at >= asked + 0.5
 
 
+async def session_setting(locks: LeaderLocks, name: str) -> str:
+    """A setting of the lock session itself, as its server sees it."""
+    conn = locks._conn
+    assert conn is not None
+    return str(await conn.fetchval(f"SHOW {name}"))
+
+
 async def test_a_stalled_session_lapses_before_the_server_would_free_its_locks(
     db_dsn: str, locks: list[LeaderLocks]
 ) -> None:
@@ -98,9 +105,9 @@ async def test_a_stalled_session_lapses_before_the_server_would_free_its_locks(
         b = await _connected(locks, db_dsn, "b")
         assert await a.try_acquire(P)
         # The session's keepalives end it server-side after 2 x lease of silence.
-        assert await a._query("SHOW tcp_keepalives_idle") == "2"
-        assert await a._query("SHOW tcp_keepalives_count") == "2"
-        assert await a._query("SHOW tcp_user_timeout") == "4000"
+        assert await session_setting(a, "tcp_keepalives_idle") == "2"
+        assert await session_setting(a, "tcp_keepalives_count") == "2"
+        assert await session_setting(a, "tcp_user_timeout") == "4000"
         proxy.partition()
         # The lease (1 x lease after the last answered probe) lapses before the
         # server would end the silent session (2 x lease): that is the bound.
