@@ -107,6 +107,13 @@ __all__ = [
 log = structlog.get_logger("pacerd.worker")
 SPAN_PROCESS = "pacerd.worker.process"
 EX_OK, EX_FAILURE, EX_USAGE = 0, 1, 2
+# A redelivered offer may have been reported already: the worker that held it
+# can die after its outcome was confirmed and before its acknowledgement. Its
+# ``pacerd.is_current`` check waits this long, so that pacerd applies that
+# outcome first (it does within tens of milliseconds) and a completed job is
+# not called again; checked at once, it raced the outcome and lost now and
+# then (a call repeated under its idempotency key).
+REDELIVERED_CHECK_DELAY_SECONDS = 1.0
 
 
 Handler = Callable[[Job], Awaitable[object]]
@@ -612,7 +619,7 @@ class Worker:
             out = await self.process(
                 destination, message.body, message_id=properties.message_id,
                 correlation_id=properties.correlation_id, headers=properties.headers,
-                content_type=properties.content_type,
+                content_type=properties.content_type, redelivered=bool(message.redelivered),
             )  # fmt: skip
         except Exception as exc:  # a bug of ours: a new session, and the offer is redelivered
             log.error("delivery_failed", message_id=properties.message_id, exc_info=exc)
@@ -635,11 +642,13 @@ class Worker:
         correlation_id: str | None = None,
         headers: Mapping[str, Any] | None = None,
         content_type: str | None = "application/json",
+        redelivered: bool = False,
     ) -> Outgoing | None:
         """One offer, from its body and properties to what to publish for it:
         its outcome, or the envelope parked; None when the offer is no longer
         current (acknowledged without running the handler). No I/O but the
-        handler's and ``pacerd.is_current``."""
+        handler's and ``pacerd.is_current`` (``redelivered``: asked
+        ``REDELIVERED_CHECK_DELAY_SECONDS`` later)."""
         try:
             job = decode_ready(
                 body, clock=self.clock, message_id=message_id, correlation_id=correlation_id
@@ -647,7 +656,7 @@ class Worker:
         except InvalidEnvelope as exc:
             return self._invalid(destination, body, exc, message_id, headers, content_type)
         if isinstance(self.tracer, trace.NoOpTracer):  # no spans: the offer's context goes on
-            if not await self._is_current(job):
+            if not await self._is_current(job, redelivered=redelivered):
                 log.info("offer_not_current", job_id=job.job_id, attempt=job.attempt)
                 return None
             return self._outcome_message(await self._run_handler(job), _trace_headers(headers))
@@ -663,7 +672,7 @@ class Worker:
             SPAN_PROCESS, context=extract_context(dict(headers or {})), kind=SpanKind.CONSUMER,
             attributes=attributes,
         ) as span:  # fmt: skip
-            if not await self._is_current(job):
+            if not await self._is_current(job, redelivered=redelivered):
                 log.info("offer_not_current", job_id=job.job_id, attempt=job.attempt)
                 return None
             report = await self._run_handler(job)
@@ -747,11 +756,14 @@ class Worker:
             return Outgoing(self.outcomes_exchange, "", body, properties, None)
         return Outgoing("", OUTCOMES_EXCHANGE, body, properties, None)
 
-    async def _is_current(self, job: Job) -> bool:
+    async def _is_current(self, job: Job, *, redelivered: bool = False) -> bool:
         """``pacerd.is_current``, batched with the offers that arrive with it
-        (``currency.CurrentCheck``); fails open (the check only saves a costly call)."""
+        (``currency.CurrentCheck``); fails open (the check only saves a costly
+        call). A redelivered offer's is asked after ``REDELIVERED_CHECK_DELAY_SECONDS``."""
         if self.current_check is None:
             return True
+        if redelivered:
+            await self.clock.sleep_until(self.clock.monotonic() + REDELIVERED_CHECK_DELAY_SECONDS)
         return await self.current_check.is_current(job.job_id, job.attempt)
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from pacerd import currency
+from pacerd import worker as worker_module
 from pacerd.client import Client
 from pacerd.clock import ManualClock, SystemClock
 from pacerd.currency import CurrentCheck
@@ -168,4 +169,56 @@ async def test_a_busy_workers_checks_are_spaced_and_gather(
         assert check.statements == 3
     finally:
         await check.close()
+        await ledger.close()
+
+
+async def test_a_redelivered_offer_is_checked_once_its_earlier_outcome_had_time_to_land(
+    db_dsn: str,
+) -> None:
+    """A redelivered offer may have been reported already (the worker that
+    held it died between its outcome's confirm and the acknowledgement): its
+    check waits ``REDELIVERED_CHECK_DELAY_SECONDS``, so that the outcome
+    applied meanwhile makes it not current and the handler does not run. A
+    first delivery is checked, and run, at once."""
+    destination = f"cur-{uuid.uuid4().hex[:8]}"
+    ledger = await Ledger.connect(db_dsn, max_size=2)
+    clock = ManualClock()
+    app = WorkerApp(destinations=[destination], check_current=True)
+    ran: list[str] = []
+
+    @app.handler()
+    async def handle(job: Job) -> None:
+        ran.append(job.job_id)
+
+    worker = Worker(app, broker_url="amqp://unused", dsn=db_dsn, clock=clock)
+    try:
+        attempts = await claimed(ledger, destination, 2)
+        first, again = sorted(attempts)
+
+        def offer(job_id: str) -> bytes:
+            return (
+                f'{{"job_id": "{job_id}", "kind": "k", "destination": "{destination}",'
+                f' "attempt": {attempts[job_id]}, "revision": 0, "payload": {{}},'
+                ' "cursor": null, "eligible_at": "2026-01-02T03:04:05+00:00"}'
+            ).encode()
+
+        with anyio.fail_after(10):  # the clock stands still: checked and run at once
+            out = await worker.process(destination, offer(first))
+        assert out is not None
+        assert ran == [first]
+
+        redelivered = asyncio.ensure_future(
+            worker.process(destination, offer(again), redelivered=True)
+        )
+        await asyncio.sleep(0.1)
+        assert not redelivered.done()  # waiting, on the worker's clock
+        # the outcome its earlier holder published lands meanwhile
+        assert await Client(ledger.pool).report(again, attempts[again], "ok") == "applied"
+        clock.advance(worker_module.REDELIVERED_CHECK_DELAY_SECONDS)
+        with anyio.fail_after(10):
+            assert await redelivered is None  # not current: acknowledged, not run
+        assert ran == [first]
+    finally:
+        assert worker.current_check is not None
+        await worker.current_check.close()
         await ledger.close()
