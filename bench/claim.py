@@ -30,14 +30,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 import asyncpg
 
 from bench import common
 from pacerd import ledger
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
 
 DESTINATION = common.DESTINATION
 LIVE_WINDOW_SECONDS = 60.0
@@ -162,13 +167,21 @@ async def explain(conn: asyncpg.Connection, sql: str, batch: int) -> tuple[str, 
     return text, buffers, ms
 
 
-async def bench_size(args: argparse.Namespace, rows: int) -> list[str]:
+@contextlib.asynccontextmanager
+async def scratch_ledger(keep: bool) -> AsyncIterator[str]:
+    """A migrated scratch database for one run (its DSN), dropped after it
+    unless ``keep``."""
     name = f"pacerd_bench_claim_{uuid.uuid4().hex[:8]}"
-    await common.admin(f'CREATE DATABASE "{name}"')
-    lines: list[str] = []
     try:
-        dsn = common.dsn_for(name)
-        await ledger.migrate(dsn)
+        yield await common.fresh_ledger(name)
+    finally:
+        if not keep:
+            await common.drop_database(name)
+
+
+async def bench_size(args: argparse.Namespace, rows: int) -> list[str]:
+    lines: list[str] = []
+    async with scratch_ledger(args.keep) as dsn:
         conn = await asyncpg.connect(dsn)
         led = await ledger.Ledger.connect(dsn, max_size=2)
         try:
@@ -203,20 +216,13 @@ async def bench_size(args: argparse.Namespace, rows: int) -> list[str]:
         finally:
             await led.close()
             await conn.close()
-    finally:
-        if not args.keep:
-            await common.admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     return lines
 
 
-async def bench_destinations(args: argparse.Namespace) -> list[str]:
+async def bench_destinations(args: argparse.Namespace) -> None:
     """One claim statement for ``--destinations`` destinations, timed."""
     n, per = args.destinations, args.per
-    name = f"pacerd_bench_claim_{uuid.uuid4().hex[:8]}"
-    await common.admin(f'CREATE DATABASE "{name}"')
-    try:
-        dsn = common.dsn_for(name)
-        await ledger.migrate(dsn)
+    async with scratch_ledger(args.keep) as dsn:
         conn = await asyncpg.connect(dsn)
         try:
             names = [f"tenant-{i:05d}" for i in range(n)]
@@ -248,16 +254,12 @@ async def bench_destinations(args: argparse.Namespace) -> list[str]:
                 assert len(got) == n * per, len(got)
         finally:
             await conn.close()
-    finally:
-        if not args.keep:
-            await common.admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    line = (
+    print(
         f"{n:,} destinations x {per} jobs: one claim statement p50"
         f" {1000 * statistics.median(times):.1f} ms, max {1000 * max(times):.1f} ms"
-        f" ({len(times)} runs)"
+        f" ({len(times)} runs)",
+        flush=True,
     )
-    print(line, flush=True)
-    return [line]
 
 
 async def main() -> None:

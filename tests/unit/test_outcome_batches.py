@@ -64,15 +64,20 @@ class Stream:
         yield self
 
 
-async def test_a_stream_of_reports_is_applied_at_most_once_an_interval() -> None:
-    clock = ManualClock(autojump=True)
-    stream = Stream(clock, batches=5)
+async def consume(stream: Stream, clock: ManualClock) -> None:
+    """Runs the consumer over ``stream`` until the stream has nothing left."""
     consumer = OutcomeConsumer(ledger=stream, broker=stream, clock=clock)  # type: ignore[arg-type]
     async with anyio.create_task_group() as tg:
         await tg.start(consumer.run)
         with anyio.fail_after(5):
             await stream.done.wait()
         tg.cancel_scope.cancel()
+
+
+async def test_a_stream_of_reports_is_applied_at_most_once_an_interval() -> None:
+    clock = ManualClock(autojump=True)
+    stream = Stream(clock, batches=5)
+    await consume(stream, clock)
     times = [t for t, _ in stream.applied]
     assert times[0] == 0.0  # the first report, after a quiet spell: at once
     gaps = [b - a for a, b in itertools.pairwise(times)]
@@ -91,12 +96,7 @@ async def test_a_report_after_a_quiet_spell_is_applied_at_once() -> None:
         return await first_wait()
 
     stream.next_batch = after_a_pause  # type: ignore[method-assign]
-    consumer = OutcomeConsumer(ledger=stream, broker=stream, clock=clock)  # type: ignore[arg-type]
-    async with anyio.create_task_group() as tg:
-        await tg.start(consumer.run)
-        with anyio.fail_after(5):
-            await stream.done.wait()
-        tg.cancel_scope.cancel()
+    await consume(stream, clock)
     # the second came a second after the first: applied as it arrived, no wait
     assert stream.arrived[1] - stream.arrived[0] >= 1.0
     assert [t for t, _ in stream.applied] == stream.arrived
