@@ -166,7 +166,10 @@ The law, per destination:
   the tick, live jobs first and at a pace under the ceiling, so a probe's
   refusals land on backlog work; a ramping slow-start tick pays for its
   ramp (``rate x (g^T - 1) / ln g`` for T seconds at a growth of ``g`` a
-  second) and spreads it at its rising rate.
+  second) and spreads it at its rising rate. A claim short of the budget
+  goes out at the rate's pace (the first of the budget's release points)
+  and ends early: stretched over the tick, a drain's last jobs would finish
+  up to a tick later than the rate allows.
 """
 
 from __future__ import annotations
@@ -403,31 +406,38 @@ def split_lanes(budget: int, live_due: int, backlog_due: int, params: PacingPara
 def publish_offsets(plan: TickPlan, n_live: int, n: int) -> list[float]:
     """Seconds after the tick's start at which to publish ``n`` claimed jobs,
     the ``n_live`` live ones first: these at ``live_spacing_seconds`` (a pace
-    under the ceiling, so probes do not refuse them), the rest spread over what
-    remains of the tick: evenly, or, in a slow-start tick (``plan.ramp`` > 1),
-    at a rate growing steadily by that factor from the tick's start to its end."""
+    under the ceiling, so probes do not refuse them), the rest at the plan's
+    release points over what remains of the tick: evenly, or, in a
+    slow-start tick (``plan.ramp`` > 1), at a rate growing steadily by that
+    factor from the tick's start to its end. A claim short of the budget
+    takes the first of the budget's points: it goes out at the rate's pace
+    and ends early, not stretched over the tick at a pace under the rate
+    (the last jobs of a drain would otherwise finish a tick later)."""
     if n <= 0:
         return []
+    points = max(plan.budget, n)
     span = plan.spacing_seconds * max(plan.budget, 1)
-    even = span / n
-    live_sp = max(even, plan.live_spacing_seconds)
+    live_sp = max(span / points, plan.live_spacing_seconds)
     if n_live <= 0 or n_live >= n or n_live * live_sp >= span:
-        return _spread(n, 0.0, span, plan.ramp, first=0)
+        return _spread(n, points, 0.0, span, plan.ramp, first=0)
     head = n_live * live_sp
     # the first live job waits one live spacing too: a token has come in meanwhile
     return [(i + 1) * live_sp for i in range(n_live)] + _spread(
-        n - n_live, head, span - head, plan.ramp, first=1
+        n - n_live, points - n_live, head, span - head, plan.ramp, first=1
     )
 
 
-def _spread(n: int, start: float, span: float, ramp: float, *, first: int) -> list[float]:
-    """``n`` points over ``[start, start + span]``, the k-th (from ``first``)
-    where ``k / n`` of a rate growing exponentially by ``ramp`` over the span
-    (constant when ``ramp`` is 1) has been released."""
+def _spread(
+    n: int, points: int, start: float, span: float, ramp: float, *, first: int
+) -> list[float]:
+    """The first ``n`` of ``points`` points over ``[start, start + span]``:
+    the k-th (from ``first``) where ``k / points`` of a rate growing
+    exponentially by ``ramp`` over the span (constant when ``ramp`` is 1)
+    has been released."""
     if ramp <= 1.0 + 1e-9:
-        return [start + (i + first) * span / n for i in range(n)]
+        return [start + (i + first) * span / points for i in range(n)]
     g = math.log(ramp)
-    return [start + span * math.log1p((i + first) / n * (ramp - 1.0)) / g for i in range(n)]
+    return [start + span * math.log1p((i + first) / points * (ramp - 1.0)) / g for i in range(n)]
 
 
 def ramp_rate(plan: TickPlan, elapsed: float) -> float:

@@ -148,9 +148,29 @@ def test_publish_offsets_spread_the_tick_live_first_under_the_ceiling() -> None:
     live_gaps = {round(b - a, 9) for a, b in itertools.pairwise(offsets[:10])}
     assert live_gaps == {round(plan.live_spacing_seconds, 9)}
     assert plan.live_spacing_seconds > 1.0 / 100.0  # a pace under the ceiling
-    assert publish_offsets(plan, 0, 4) == [
-        i * plan.spacing_seconds * plan.budget / 4 for i in range(4)
-    ]
+
+
+def test_a_claim_short_of_the_budget_goes_out_at_the_rates_pace() -> None:
+    # the first of the budget's release points: a drain's last jobs end early,
+    # not stretched over the tick at a pace under the rate
+    _, plan = run(at_ceiling(rate=100.0, ceiling=100.0))
+    assert plan.budget >= 50
+    assert publish_offsets(plan, 0, 4) == pytest.approx(
+        [i * plan.spacing_seconds for i in range(4)]
+    )
+    whole = publish_offsets(plan, 10, plan.budget)
+    short = publish_offsets(plan, 10, 30)
+    assert short == pytest.approx(whole[:30])
+    assert short[-1] < 0.5 * plan.spacing_seconds * plan.budget
+
+
+def test_a_short_claim_of_a_ramping_tick_follows_the_ramp_from_its_start() -> None:
+    state = replace(initial_state(P, now=T0), rate=20.0)
+    _, plan = run(state, OutcomeWindow(accepted=20, accepted_fresh=20), full(20))
+    assert plan.ramp > 1.0
+    whole = publish_offsets(plan, 0, plan.budget)
+    short = publish_offsets(plan, 0, plan.budget // 3)
+    assert short == pytest.approx(whole[: plan.budget // 3])
 
 
 # --- growth -------------------------------------------------------------------
