@@ -54,6 +54,11 @@ Conn = asyncpg.Connection | PoolConnectionProxy
 LEADER_APPLICATION_NAME = "pacerd:leader"  # the leadership sessions (pacerd.leadership)
 DEFAULT_PARTITIONS = 64
 MAX_PARTITIONS = 4096
+# Every statement pacerd sends is short and its plan's cost is a guess (arrays
+# unnested, CTEs): over jit_above_cost, PostgreSQL compiled the claim for
+# ~0.6 s on every call, while it ran in ~0.2 ms. JIT pays only on long
+# analytic queries.
+SESSION_SETTINGS = {"jit": "off"}
 MIGRATION_LOCK_KEY = 0x7061636572  # "pacer": serialises concurrent `pacerd migrate` runs
 _MIGRATION_NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
 _UNAVAILABLE_STATES = {"57P01", "57P02", "57P03", "53300", "08000", "08003", "08006", "08001"}
@@ -157,11 +162,7 @@ async def connect_pool(
             command_timeout=60,
             init=_init_connection,
             reset=_roll_back_only if stateless else None,
-            # Every statement pacerd sends is short and its plan's cost is a
-            # guess (arrays unnested, CTEs): over jit_above_cost, PostgreSQL
-            # compiled the claim for ~0.6 s on every call, while it ran in
-            # ~0.2 ms. JIT pays only on long analytic queries.
-            server_settings={"jit": "off"},
+            server_settings=dict(SESSION_SETTINGS),
         )
         return pool
 
