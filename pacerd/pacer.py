@@ -62,6 +62,10 @@ The law, per destination:
   trip is measured (from a cut to its first fresh outcomes) and is at least one
   tick: like TCP's per-RTT increase, this keeps the cost of a probe (refusals
   per overshoot) independent of the tick length and of the upstream's latency.
+  Before the first cut it is measured from a release whose outcomes no tick
+  heard to the first tick that hears one (``FIRST_ROUND_TRIP_MAX_S`` at most):
+  calls slower than a tick are many ticks of the rate in flight, and slow
+  start would otherwise never grow past ``INFLIGHT_RTTS`` ticks of them.
   Before a destination's first episode it grows ``slow_start_factor`` per round
   trip and at most once per ``SLOW_START_PERIOD_S`` (per second, not per tick:
   a short tick does not compound the factor while refusals are on their way),
@@ -216,6 +220,7 @@ PEAK_S = 30.0  # time constant over which the rate before a heavy cut (the peak)
 PEAK_GAP = 0.7  # a firm ceiling under this share of the peak: the capacity may come back
 PEAK_PROBE_RTTS = 2.0  # ... so the ladder probes after this many clean round trips
 PEAK_LADDER_MAX = 0.5  # ... with steps up to this share of the rate while under the peak
+FIRST_ROUND_TRIP_MAX_S = 30.0  # a first round trip measured longer is an outage: taken as this
 _MONOTONIC = ("last_tick", "deadline", "prepaid")  # never persisted
 
 
@@ -310,6 +315,7 @@ class PacerState:
     ladder: float = 0.0  # doubling increase while the ceiling is stale
     since_cut_s: float = 0.0
     round_trip_s: float = 0.0  # measured: from a cut to its first fresh outcomes
+    waiting_s: float = 0.0  # no round trip measured yet: since a release whose outcomes are unheard
     hold_s: float = 0.0  # no growth for this long (after a Retry-After)
     clean_s: float = 0.0  # clean, full-demand time at or above a firm ceiling since a refusal
     cooling: bool = False  # closed by a Retry-After
@@ -528,6 +534,25 @@ def _open_rate(
     return accepted / demand.open_seconds
 
 
+def _first_round_trip(
+    state: PacerState, window: OutcomeWindow, demand: Demand | None, dt: float
+) -> PacerState:
+    """Before any cut has measured the round trip: a tick that released jobs
+    and then heard no outcome at all starts a wait, and the first tick to
+    hear one ends it; the wait is the round trip (to a tick over: the first
+    of those jobs left at the start of its tick). A round trip within a tick
+    is never measured here: it counts as the tick, as before. Without it,
+    calls that take longer than ``INFLIGHT_RTTS`` ticks keep more than that
+    many ticks of the rate in flight, and slow start never grows."""
+    heard = window.accepted + window.refused > 0
+    if heard and state.waiting_s > 0.0:
+        measured = min(FIRST_ROUND_TRIP_MAX_S, state.waiting_s + dt)
+        return replace(state, round_trip_s=measured, waiting_s=0.0)
+    if state.waiting_s > 0.0 or (demand is not None and demand.admitted > 0 and not heard):
+        return replace(state, waiting_s=state.waiting_s + dt)
+    return state
+
+
 def update_rate(
     state: PacerState,
     window: OutcomeWindow,
@@ -565,6 +590,8 @@ def update_rate(
         since_cut_s=state.since_cut_s + dt,
         hold_s=state.hold_s if state.cooling else max(0.0, state.hold_s - dt),
     )
+    if state.round_trip_s <= 0.0:
+        state = _first_round_trip(state, window, demand, dt)
 
     if window.retry_after_s is not None and window.refused_fresh > 0 and not state.cooling:
         retry_after = max(0.0, window.retry_after_s)

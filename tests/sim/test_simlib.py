@@ -290,3 +290,23 @@ def test_a_refusal_reaches_the_ledger_after_the_latency_or_at_once(refusal_laten
     for visible, ends in res.ra_windows:  # a Retry-After of 1 s at 100/s: called = ends - 1
         delay = visible - (ends - 1.0)
         assert (delay > 0.4) is refusal_latency
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_calls_slower_than_a_tick_are_still_paced_up_to_the_capacity(seed: int) -> None:
+    # each call takes ~3 ticks: three ticks of the rate in flight, over the
+    # in-flight bound of growth when the round trip counted as a tick (slow
+    # start stayed at initial_rate, 10 % of this capacity, for good)
+    sc = Scenario(
+        name="slow-calls",
+        duration=60.0,
+        phases=((0.0, 100.0),),
+        burst_seconds=0.1,
+        params=PacingParams(initial_rate=10.0),
+        ledgers=(LedgerSpec(backlog=20_000),),
+        workers=2_000,
+        latency_median=3.0,
+        latency_sigma=0.3,
+    )
+    res = run(sc, "pacerd", seed)
+    assert utilization(res, 30.0, 60.0) >= 0.9

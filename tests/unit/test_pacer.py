@@ -205,6 +205,52 @@ def test_a_growing_slow_start_tick_ramps_on_to_the_next_ticks_rate() -> None:
     assert after.rate == pytest.approx(rate * f)
 
 
+def slow_upstream(latency_ticks: int, ticks: int, *, capacity: float = 1e9) -> list[PacerState]:
+    """Ticks of a destination whose calls take ``latency_ticks`` ticks (each
+    tick's jobs are heard, accepted up to ``capacity`` a tick, that many ticks
+    later), its backlog never empty: the state after each tick."""
+    state, demand = initial_state(P, now=T0), None
+    sent: list[int] = []
+    states = []
+    for k in range(ticks):
+        back = k - latency_ticks
+        heard = sent[back] if back >= 0 else 0
+        accepted = min(heard, int(capacity))
+        window = OutcomeWindow(
+            accepted=accepted,
+            accepted_fresh=accepted,
+            refused=heard - accepted,
+            refused_fresh=heard - accepted,
+        )
+        inflight = sum(sent[max(0, back + 1) :])
+        state, plan = run(state, window, demand, inflight=inflight)
+        sent.append(plan.budget)
+        demand = full(plan.budget)
+        states.append(state)
+    return states
+
+
+def test_slow_start_measures_a_round_trip_longer_than_a_tick_and_grows() -> None:
+    # calls of three ticks keep three ticks of the rate in flight: over
+    # INFLIGHT_RTTS ticks of it, so growth waited for a round trip measured
+    # at a cut, and slow start, which has none, stayed at initial_rate
+    states = slow_upstream(3, 30)
+    assert states[2].round_trip_s == 0.0  # nothing heard yet: still waiting
+    assert states[3].round_trip_s == pytest.approx(3.0)  # the first tick's jobs, heard
+    assert states[-1].rate > 10 * P.initial_rate
+    assert states[-1].ceiling is None  # grown in slow start, nothing refused
+    # never faster than slow_start_factor per round trip
+    for before, after in itertools.pairwise(states[3:]):
+        assert after.rate <= before.rate * P.slow_start_factor ** (1.0 / 3.0) + 1e-9
+
+
+def test_a_round_trip_within_a_tick_is_not_measured_before_a_cut() -> None:
+    # outcomes heard by the next tick: the round trip counts as the tick, as before
+    states = slow_upstream(1, 8)
+    assert all(s.round_trip_s == 0.0 and s.waiting_s == 0.0 for s in states)
+    assert states[-1].rate > states[0].rate
+
+
 def test_slow_start_ramps_only_while_it_grows() -> None:
     # a held tick (the accepted rate under the factor's reach) releases evenly
     state = replace(initial_state(P, now=T0), rate=20.0)
