@@ -6,6 +6,7 @@ simulation and beside botocore's adaptive client rate limiter, in one run.
     .venv/bin/python -m bench.real_scenarios --only drain,deepcut --no-peer
     .venv/bin/python -m bench.real_scenarios --only S5 --pacing slow_start_factor=2
     .venv/bin/python -m bench.real_scenarios --sim-seeds 10   # the simulation alone, ~1 minute
+    .venv/bin/python -m bench.real_scenarios --only drain --no-peer --latency-ms 3000  # slow calls
 
 Each scenario runs three ways, one after the other:
 
@@ -103,7 +104,8 @@ if TYPE_CHECKING:
     from pacerd.pacer import PacingParams
 
 # The worker program of the pacerd runs (prefetch 200, like the issue's workers).
-app = build_app(upstreams_from_env(), prefetch=200)
+PREFETCH = 200
+app = build_app(upstreams_from_env(), prefetch=PREFETCH)
 
 DB = "pacerd_bench_real"
 VHOST = "pacerd-bench-real"
@@ -130,6 +132,7 @@ class Plan:
     backlog: int | None = None  # None: never runs dry
     penalty_seconds: float = 0.0  # model upstream: Retry-After and a penalty box
     pacing: tuple[tuple[str, str], ...] = ()  # ``--pacing`` KEY=VALUE, both pacerd and sim
+    latency_ms: float = LATENCY_MS  # the median call (``--latency-ms``), both pacerd and sim
 
     @property
     def key(self) -> str:
@@ -295,11 +298,13 @@ def http_json(url: str, method: str = "GET", body: dict[str, Any] | None = None)
 class ModelProcess:
     """``python -m pacerd.testing.upstream`` in its own process."""
 
-    def __init__(self, capacity: float, *, penalty_seconds: float = 0.0) -> None:
+    def __init__(
+        self, capacity: float, *, penalty_seconds: float = 0.0, latency_ms: float = LATENCY_MS
+    ) -> None:
         self.port = free_port()
         args = [sys.executable, "-m", "pacerd.testing.upstream", "--port", str(self.port),
                 "--capacity-schedule", f"0:{capacity}", "--burst-seconds", "0.1",
-                "--latency-median-ms", str(LATENCY_MS), "--latency-sigma", str(LATENCY_SIGMA),
+                "--latency-median-ms", str(latency_ms), "--latency-sigma", str(LATENCY_SIGMA),
                 "--seed", "1"]  # fmt: skip
         if penalty_seconds:
             args += ["--retry-after", "--penalty-seconds", str(penalty_seconds)]
@@ -359,12 +364,12 @@ class NginxProcess:
     """nginx with ``limit_req`` (leaky bucket, 429 when over) in front of an
     unlimited model upstream that supplies the latency."""
 
-    def __init__(self, rate: float) -> None:
+    def __init__(self, rate: float, *, latency_ms: float = LATENCY_MS) -> None:
         binary = nginx_binary()
         if binary is None:
             raise RuntimeError("nginx is not installed: apt-get install -y nginx-light")
         self.binary = binary
-        self.backend = ModelProcess(1_000_000.0)
+        self.backend = ModelProcess(1_000_000.0, latency_ms=latency_ms)
         self.dir = Path(tempfile.mkdtemp(prefix="pacerd-bench-nginx-"))
         self.port = free_port()
         self.conf = self.dir / "nginx.conf"
@@ -416,8 +421,10 @@ Upstream = ModelProcess | NginxProcess
 
 def start_upstream(plan: Plan) -> Upstream:
     if plan.upstream == "nginx":
-        return NginxProcess(plan.phases[0][1])
-    return ModelProcess(plan.phases[0][1], penalty_seconds=plan.penalty_seconds)
+        return NginxProcess(plan.phases[0][1], latency_ms=plan.latency_ms)
+    return ModelProcess(
+        plan.phases[0][1], penalty_seconds=plan.penalty_seconds, latency_ms=plan.latency_ms
+    )
 
 
 def trace_from(up: Upstream, t0: float, end: float) -> Trace:
@@ -686,7 +693,8 @@ def run_sim(plan: Plan, seed: int) -> Trace:
         penalty_threshold=PENALTY_THRESHOLD if penalty else None,
         params=pacing_params(plan),
         ledgers=(simlib.LedgerSpec(backlog=plan.backlog, paused_until=resume),),
-        latency_median=LATENCY_MS / 1000,
+        workers=WORKERS * PREFETCH,  # the calls the real workers make at once
+        latency_median=plan.latency_ms / 1000,
         latency_sigma=LATENCY_SIGMA,
         report_delay_median=REPORT_DELAY_MS / 1000,
         refusal_latency=False,  # the model upstream and nginx answer a 429 at once
@@ -720,7 +728,7 @@ async def measure(args: argparse.Namespace) -> str:
             "nginx is not installed: apt-get install -y nginx-light (or run with --no-nginx)"
         )
     chosen = [
-        replace(p, pacing=args.pacing)
+        replace(p, pacing=args.pacing, latency_ms=args.latency_ms)
         for p in plans(nginx)
         if not args.only or p.name in args.only.split(",")
     ]
@@ -803,7 +811,13 @@ def main() -> None:
         "--pacing", type=pacing_override, action="append", default=[], metavar="KEY=VALUE",
         help="a [pacing] key for pacerd and the simulation alike, e.g. slow_start_factor=2",
     )  # fmt: skip
+    parser.add_argument(
+        "--latency-ms", type=float, default=LATENCY_MS, metavar="MS",
+        help=f"the upstream's median call, for pacerd and the simulation (default {LATENCY_MS:g})",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.latency_ms <= 0:
+        parser.error("--latency-ms must be > 0")
     args.pacing = tuple(args.pacing)
     started = time.time()
     text = asyncio.run(measure(args))
