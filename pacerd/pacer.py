@@ -56,7 +56,10 @@ The law, per destination:
   runs late on a busy host skips ticks: what it released is not the rate, and
   growing on it runs the rate far ahead of what leaves), and while no more than
   ``INFLIGHT_RTTS`` round trips of the rate are in flight (work piled up before
-  slow workers reaches the upstream later, whatever the rate):
+  slow workers reaches the upstream later, whatever the rate) or, in slow
+  start, the outcomes come back at ``HYSTART_SHARE`` of the rate or more
+  (then what is in flight is the calls' latency: a measured round trip is
+  its fastest outcome's):
   ``+increase_step`` jobs/s per round trip — the same absolute step on every
   instance, so instances sharing an upstream converge to equal shares. The round
   trip is measured (from a cut to its first fresh outcomes) and is at least one
@@ -480,19 +483,28 @@ def _may_grow(
     now: float,
     inflight: int,
     paused: bool,
+    returning: float,
 ) -> bool:
     """Whether a clean window of this tick would be evidence for growth: the
     tick used its whole budget (``_has_demand``), was not paused, admitted
     at least ``LOOP_SHARE`` of the rate over the time since the last tick
     (a loop that ran late released less than the rate: no growth on it),
     and no more than ``INFLIGHT_RTTS`` round trips of the rate are in flight
-    (work piling up before slow workers reaches the upstream later)."""
+    (work piling up before slow workers reaches the upstream later) unless,
+    in slow start, the outcomes come back (``returning``, a second) at
+    ``HYSTART_SHARE`` of the rate or more: nothing piles up then, the calls
+    take longer than the round trip measured."""
     if paused or not _has_demand(demand):
         return False
     assert demand is not None
     if demand.admitted + 1 < LOOP_SHARE * state.rate * max(0.0, now - state.last_tick):
         return False
-    return inflight <= INFLIGHT_RTTS * state.rate * max(p.tick_seconds, state.round_trip_s)
+    if inflight <= INFLIGHT_RTTS * state.rate * max(p.tick_seconds, state.round_trip_s):
+        return True
+    # in slow start, more in flight while the outcomes come back as fast as
+    # the rate sends: that is the calls' latency, longer than the round trip
+    # measured (its fastest outcome), not work piling up before the workers
+    return state.ceiling is None and returning >= HYSTART_SHARE * state.rate
 
 
 def _lift(
@@ -571,8 +583,11 @@ def update_rate(
     if rate != state.rate:
         state = replace(state, rate=rate)
     dt = _elapsed(state, now, p)
-    may_grow = _may_grow(state, demand, p, now=now, inflight=inflight, paused=paused)
     interval = window.interval_seconds or dt
+    returning = (window.accepted + window.refused) / interval if interval > 1e-9 else 0.0
+    may_grow = _may_grow(
+        state, demand, p, now=now, inflight=inflight, paused=paused, returning=returning
+    )
     accepted_rate = window.accepted / interval if interval > 1e-9 else 0.0
     delivered_before, window_before = state.delivered, state.window_rate
     delivered, window_rate = delivered_before, window_before

@@ -310,3 +310,23 @@ def test_calls_slower_than_a_tick_are_still_paced_up_to_the_capacity(seed: int) 
     )
     res = run(sc, "pacerd", seed)
     assert utilization(res, 30.0, 60.0) >= 0.9
+
+
+@pytest.mark.parametrize("seed", [0, 5])
+def test_calls_slower_than_their_first_outcome_do_not_stall_slow_start(seed: int) -> None:
+    # calls of ~20 s; with seed 5 the first outcome came back after 9 s, so
+    # twice that round trip of the rate was less than what was in flight, and
+    # slow start stayed at initial_rate while every call was accepted
+    sc = Scenario(
+        name="slow",
+        duration=150.0,
+        phases=((0.0, 100.0),),
+        burst_seconds=0.1,
+        params=PacingParams(initial_rate=10.0),
+        ledgers=(LedgerSpec(backlog=20_000),),
+        workers=2_000,
+        latency_median=20.0,
+        latency_sigma=0.3,
+    )
+    res = run(sc, "pacerd", seed)
+    assert utilization(res, 60.0, 150.0) >= 0.5

@@ -244,6 +244,25 @@ def test_slow_start_measures_a_round_trip_longer_than_a_tick_and_grows() -> None
         assert after.rate <= before.rate * P.slow_start_factor ** (1.0 / 3.0) + 1e-9
 
 
+def test_slow_start_grows_past_two_round_trips_in_flight_while_the_outcomes_keep_up() -> None:
+    # calls of ~20 s whose fastest came back after 9 s: 200 in flight at 10/s
+    # is over two measured round trips of the rate (180), yet the outcomes
+    # come back at the rate: that is latency, not work piling up
+    state = replace(initial_state(P, now=T0), rate=10.0, round_trip_s=9.0)
+    grown, _ = run(state, OutcomeWindow(accepted=10, accepted_fresh=10), full(10), inflight=200)
+    assert grown.rate > 10.0
+    # the same in flight while only half the rate comes back: it piles up
+    held, _ = run(state, OutcomeWindow(accepted=5, accepted_fresh=5), full(10), inflight=200)
+    assert held.rate == 10.0
+    # under the bound, growth needs no such evidence
+    small, _ = run(state, OutcomeWindow(accepted=5, accepted_fresh=5), full(10), inflight=100)
+    assert small.rate > 10.0
+    # past slow start the bound stands (test_no_growth_while_work_piles_up_in_flight)
+    past = replace(state, ceiling=20.0, firm=True)
+    kept, _ = run(past, OutcomeWindow(accepted=10, accepted_fresh=10), full(10), inflight=200)
+    assert kept.rate == 10.0
+
+
 def test_a_round_trip_within_a_tick_is_not_measured_before_a_cut() -> None:
     # outcomes heard by the next tick: the round trip counts as the tick, as before
     states = slow_upstream(1, 8)
