@@ -292,23 +292,28 @@ def test_a_refusal_reaches_the_ledger_after_the_latency_or_at_once(refusal_laten
         assert (delay > 0.4) is refusal_latency
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_calls_slower_than_a_tick_are_still_paced_up_to_the_capacity(seed: int) -> None:
-    # each call takes ~3 ticks: three ticks of the rate in flight, over the
-    # in-flight bound of growth when the round trip counted as a tick (slow
-    # start stayed at initial_rate, 10 % of this capacity, for good)
-    sc = Scenario(
-        name="slow-calls",
-        duration=60.0,
+def slow_calls(name: str, latency_median: float, duration: float) -> Scenario:
+    """An upstream of 100/s whose calls take ``latency_median`` seconds (1 s
+    ticks), an overdue backlog that never runs dry, slow start from 10/s."""
+    return Scenario(
+        name=name,
+        duration=duration,
         phases=((0.0, 100.0),),
         burst_seconds=0.1,
         params=PacingParams(initial_rate=10.0),
         ledgers=(LedgerSpec(backlog=20_000),),
         workers=2_000,
-        latency_median=3.0,
+        latency_median=latency_median,
         latency_sigma=0.3,
     )
-    res = run(sc, "pacerd", seed)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_calls_slower_than_a_tick_are_still_paced_up_to_the_capacity(seed: int) -> None:
+    # each call takes ~3 ticks: three ticks of the rate in flight, over the
+    # in-flight bound of growth when the round trip counted as a tick (slow
+    # start stayed at initial_rate, 10 % of this capacity, for good)
+    res = run(slow_calls("slow-calls", 3.0, 60.0), "pacerd", seed)
     assert utilization(res, 30.0, 60.0) >= 0.9
 
 
@@ -317,16 +322,5 @@ def test_calls_slower_than_their_first_outcome_do_not_stall_slow_start(seed: int
     # calls of ~20 s; with seed 5 the first outcome came back after 9 s, so
     # twice that round trip of the rate was less than what was in flight, and
     # slow start stayed at initial_rate while every call was accepted
-    sc = Scenario(
-        name="slow",
-        duration=150.0,
-        phases=((0.0, 100.0),),
-        burst_seconds=0.1,
-        params=PacingParams(initial_rate=10.0),
-        ledgers=(LedgerSpec(backlog=20_000),),
-        workers=2_000,
-        latency_median=20.0,
-        latency_sigma=0.3,
-    )
-    res = run(sc, "pacerd", seed)
+    res = run(slow_calls("slow", 20.0, 150.0), "pacerd", seed)
     assert utilization(res, 60.0, 150.0) >= 0.5
