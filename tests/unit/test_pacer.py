@@ -263,6 +263,13 @@ def test_slow_start_grows_past_two_round_trips_in_flight_while_the_outcomes_keep
     assert kept.rate == 10.0
 
 
+def test_a_first_round_trip_longer_than_its_bound_is_taken_as_the_bound() -> None:
+    # nothing heard for a minute is an outage, not a latency to pace by
+    states = slow_upstream(60, 62)
+    assert states[59].round_trip_s == 0.0
+    assert states[60].round_trip_s == pacer.FIRST_ROUND_TRIP_MAX_S
+
+
 def test_a_round_trip_within_a_tick_is_not_measured_before_a_cut() -> None:
     # outcomes heard by the next tick: the round trip counts as the tick, as before
     states = slow_upstream(1, 8)
