@@ -763,7 +763,7 @@ class Worker:
         if self.current_check is None:
             return True
         if redelivered:
-            await self.clock.sleep_until(self.clock.monotonic() + REDELIVERED_CHECK_DELAY_SECONDS)
+            await self.clock.sleep(REDELIVERED_CHECK_DELAY_SECONDS)
         return await self.current_check.is_current(job.job_id, job.attempt)
 
 
