@@ -77,24 +77,28 @@ The law, per destination:
   the next tick would grow to: no jump of a whole factor at a tick's start,
   which a brake could only catch a round trip after it began), and slow start
   ends just under what that tick's ramp accepted, however far above the rate
-  the ramp began at (its ceiling likewise). On the first sign of
-  saturation (HyStart) it stops growing: it holds the rate on any refusal
-  (under the episode threshold, or too few to end slow start; a ramping
-  tick's rate is then lifted to what it accepted, never above what it sent
-  nor where the same window without refusals would have grown it, and the
-  next tick does not ramp), or on a window
-  of at least
-  ``HYSTART_MIN_OUTCOMES`` outcomes whose accepted rate is under
-  ``HYSTART_SHARE`` of the rate and no higher than the average before it (the
-  accepted rate stopped growing with the rate: not outcomes still on their
-  way); it ends on a window with enough evidence (``refusal_min_count /
-  refusal_threshold`` outcomes, or a heavy window with ``START_MIN_FACTOR *
-  refusal_min_count`` refusals: a few refusals in a small sample may be a
-  burst, or another sender's probe), at the accepted rate measured (the window's
-  or the average, never above ``sent * accepted share``: the rate grew while
-  those outcomes were on their way), not at a quarter of the rate. A refusal
-  below the episode threshold while at or above the ceiling holds the rate
-  and voids the evidence of growth below (the upstream was empty just then).
+  the ramp began at (its ceiling likewise). On the first sign of saturation
+  (HyStart) it stops growing: it holds the rate on any refusal (under the
+  episode threshold, or too few to end slow start; a ramping tick's rate is
+  then lifted to what it accepted, never above what it sent nor where the same
+  window without refusals would have grown it, and the next tick does not
+  ramp), or on a window of at least ``HYSTART_MIN_OUTCOMES`` outcomes whose
+  accepted rate is under ``HYSTART_SHARE`` of the rate and no higher than the
+  average before it or than the window before grown by the square root of the
+  rate's growth (the accepted rate stopped growing with the rate: not outcomes
+  still on their way). Two such windows in a row, nothing refused, on a round
+  trip within a tick (:func:`_short`), end slow start just under the accepted
+  rate, its ceiling firm: the bottleneck is past the upstream (workers slower
+  than the rate), and every tick held at the rate piles up more work before
+  them, called later whatever the upstream's capacity by then. It ends on a
+  window with enough evidence (``refusal_min_count / refusal_threshold``
+  outcomes, or a heavy window with ``START_MIN_FACTOR * refusal_min_count``
+  refusals: a few refusals in a small sample may be a burst, or another
+  sender's probe), at the accepted rate measured (the window's or the average,
+  never above ``sent * accepted share``: the rate grew while those outcomes
+  were on their way), not at a quarter of the rate. A refusal below the
+  episode threshold while at or above the ceiling holds the rate and voids the
+  evidence of growth below (the upstream was empty just then).
 - **Stale ceiling.** A token-bucket upstream can absorb, unrefused, what the
   destination left unused since the bucket was last seen empty (``saved``).
   When the volume sent above the ceiling (``surplus``) exceeds that by twice
@@ -333,6 +337,7 @@ class PacerState:
     since_wait_accepted: int = 0  # ... and the outcomes accepted since it
     dropped: bool = False  # a brake past slow start, and the cuts right after it: none heavy
     prepaid: bool = False  # the tick before was a reopening: it paid up to this tick
+    flat: bool = False  # slow start: the last window's accepted rate stopped growing with the rate
 
     def to_dict(self) -> dict[str, float | int | bool | None]:
         """JSON-able, without the monotonic timestamps (not portable across hosts)."""
@@ -565,6 +570,34 @@ def _first_round_trip(
     return state
 
 
+def _flat(
+    state: PacerState,
+    p: PacingParams,
+    accepted_rate: float,
+    interval: float,
+    *,
+    before: tuple[float, float],
+) -> bool:
+    """In slow start: whether a window's accepted rate stopped growing with
+    the rate (saturation, not outcomes on their way): under ``HYSTART_SHARE``
+    of the rate, and no higher than the average before it (``before[0]``) or
+    than the window before (``before[1]``) grown by half of slow start's growth
+    over the window (in log terms: a rate that grew by its factor while what
+    the upstream accepted grew by less than its square root)."""
+    if accepted_rate >= HYSTART_SHARE * state.rate:
+        return False
+    delivered, previous = before
+    period = max(p.tick_seconds, state.round_trip_s, SLOW_START_PERIOD_S)
+    half = p.slow_start_factor ** (interval / (2.0 * period))
+    return accepted_rate <= delivered or accepted_rate <= previous * half
+
+
+def _short(state: PacerState, p: PacingParams) -> bool:
+    """No round trip longer than a tick measured, none being measured: a
+    tick's outcomes follow its releases within the next tick."""
+    return state.round_trip_s <= p.tick_seconds and state.waiting_s <= 0.0
+
+
 def update_rate(
     state: PacerState,
     window: OutcomeWindow,
@@ -734,22 +767,30 @@ def update_rate(
         if demand is None:  # a leader's first tick: the bucket may have refilled
             state = replace(state, saved=(state.ceiling or 0.0) * interval)
         return state
+    # slow start meets saturation (HyStart) when what the upstream accepts
+    # stops growing with the rate: not outcomes still on their way
+    flat = (
+        state.ceiling is None
+        and f_n >= HYSTART_MIN_OUTCOMES
+        and _flat(state, p, accepted_rate, interval, before=(delivered_before, window_before))
+    )
+    if flat and state.flat and f_ref == 0 and _short(state, p):
+        # twice in a row on a short round trip: what holds it back is past the
+        # upstream (workers that call slower than the rate), and every tick at
+        # the rate piles up more work before them: end at what they pass
+        low = max(p.min_rate, accepted_rate * (1.0 - p.decrease_margin))
+        rate = _clamp(min(state.rate, low), p)
+        return replace(state, rate=rate, ceiling=low, firm=True, flat=False)
+    if flat != state.flat:
+        state = replace(state, flat=flat)
     if not may_grow:
         return state
     if f_ref > 0 and state.ceiling is not None and state.rate >= state.ceiling:
         # refusals under the threshold: hold, do not grow into them
         return replace(state, ladder=0.0, saved=0.0, surplus=0.0, clean_s=0.0)
-    if state.ceiling is None and (
-        f_ref > 0
-        or (
-            f_n >= HYSTART_MIN_OUTCOMES
-            and accepted_rate < HYSTART_SHARE * state.rate
-            and accepted_rate <= delivered_before
-        )
-    ):
-        # slow start meets saturation: a refusal under the threshold, or an
-        # accepted rate that stopped growing with the rate: hold (a ramping
-        # tick at what it accepted, if more than the rate it began at)
+    if state.ceiling is None and (f_ref > 0 or flat):
+        # slow start holds on a refusal under the threshold or a flat window
+        # (a ramping tick at what it accepted, if more than the rate it began at)
         return replace(state, rate=_lift(state, dt, p, sent=sent, accepted_rate=accepted_rate))
     if f_ref > 0:  # any refusal: the upstream was empty just then, the ceiling not stale
         state = replace(state, clean_s=0.0)

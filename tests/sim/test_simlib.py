@@ -324,3 +324,31 @@ def test_calls_slower_than_their_first_outcome_do_not_stall_slow_start(seed: int
     # slow start stayed at initial_rate while every call was accepted
     res = run(slow_calls("slow", 20.0, 150.0), "pacerd", seed)
     assert utilization(res, 60.0, 150.0) >= 0.5
+
+
+def slow_workers(name: str, tick: float) -> Scenario:
+    """An upstream of 300/s and 20 workers whose calls take ~0.15 s: they call
+    about 130 a second, and nothing is refused; slow start from 10/s."""
+    return Scenario(
+        name=name,
+        duration=10.0,
+        phases=((0.0, 300.0),),
+        burst_seconds=0.1,
+        params=PacingParams(tick_seconds=tick, initial_rate=10.0),
+        ledgers=(LedgerSpec(backlog=20_000),),
+        workers=20,
+        latency_median=0.15,
+        latency_sigma=0.3,
+    )
+
+
+@pytest.mark.parametrize(("tick", "seed"), [(0.5, 0), (0.5, 1), (1.0, 0), (1.0, 1)])
+def test_slow_start_ends_at_the_pace_of_workers_slower_than_the_upstream(
+    tick: float, seed: int
+) -> None:
+    # slow start ran on to ~400/s, three times what the workers call: the
+    # work it released piled up before them, to be called whatever the
+    # upstream's capacity by then
+    res = run(slow_workers("slow-workers", tick), "pacerd", seed)
+    pace = sum(1 for t in res.call_t if 5.0 <= t < 10.0) / 5.0
+    assert max(t.rate for t in res.ticks if 5.0 <= t.t < 10.0) <= 1.2 * pace

@@ -407,6 +407,54 @@ def test_slow_start_holds_when_the_accepted_rate_stops_growing_with_the_rate() -
     assert after.rate > 100.0
 
 
+def test_slow_start_holds_when_the_accepted_rate_grows_slower_than_the_rate() -> None:
+    # the window before accepted 60/s, this one 70/s: above the average (50/s),
+    # yet far short of the rate's growth (threefold a round trip)
+    state = replace(initial_state(P, now=T0), rate=180.0, delivered=50.0, window_rate=60.0)
+    window = OutcomeWindow(accepted=70, accepted_fresh=70)
+    after, _ = run(state, window, full(180))
+    assert (after.rate, after.ceiling, after.flat) == (180.0, None, True)
+    # grown by more than the square root of the rate's factor (60 x 3 ** 0.5 =
+    # 103.9): outcomes still on their way, slow start grows on
+    growing = OutcomeWindow(accepted=110, accepted_fresh=110)
+    after, _ = run(state, growing, full(180))
+    assert after.rate > 180.0
+    assert not after.flat
+
+
+def test_slow_start_ends_at_what_comes_back_after_two_flat_windows_on_a_short_round_trip() -> None:
+    # workers that call 70 a second whatever the rate, nothing refused: slow
+    # start holds on the first flat window and ends on the second, at what
+    # they pass (every tick held at the rate piled up more work before them)
+    state = replace(initial_state(P, now=T0), rate=180.0, delivered=50.0, window_rate=60.0)
+    window = OutcomeWindow(accepted=70, accepted_fresh=70)
+    held, _ = run(state, window, full(180), inflight=200)
+    assert held.ceiling is None
+    ended, _ = run(held, window, full(180), inflight=300)
+    low = 70.0 * (1.0 - P.decrease_margin)
+    assert ended.rate == pytest.approx(low)
+    assert ended.ceiling == pytest.approx(low)
+    assert ended.firm
+    assert ended.epoch == held.epoch  # nothing refused: no cut
+    # max_inflight reached (no evidence for growth): it ends all the same
+    capped = Demand(budget=180, admitted=100, inflight_capped=True)
+    ended, _ = run(held, window, capped, inflight=2000)
+    assert ended.ceiling == pytest.approx(low)
+
+
+def test_on_a_long_round_trip_flat_windows_only_hold_slow_start() -> None:
+    # calls slower than a tick: what is heard lags the rate by round trips and
+    # spreads over ticks, so a flat window says too little to end slow start on
+    state = replace(
+        initial_state(P, now=T0), rate=180.0, delivered=50.0, window_rate=60.0, round_trip_s=3.0
+    )
+    window = OutcomeWindow(accepted=70, accepted_fresh=70)
+    held, _ = run(state, window, full(180), inflight=500)
+    again, _ = run(held, window, full(180), inflight=500)
+    assert (held.rate, held.flat) == (180.0, True)
+    assert (again.rate, again.ceiling) == (180.0, None)
+
+
 def test_a_refusal_under_the_threshold_at_the_ceiling_stops_a_ladder() -> None:
     # climbing a stale ceiling with doubling steps, then one refusal: the
     # upstream was empty at that moment, so the evidence of growth is void
