@@ -25,7 +25,11 @@ The law, per destination:
   the rate is cut to ``estimate * (1 - decrease_margin)``, and so is the
   remembered *ceiling*: every cut has that proportional part, which is what
   brings senders sharing an upstream to equal shares (a larger sender hears
-  the refusals that call an episode sooner, so it is cut more often). A mild
+  the refusals that call an episode sooner, so it is cut more often). On a
+  long round trip (not :func:`_short`), the refusals are a share of what was
+  sent over the window when that is more than the outcomes heard
+  (:func:`_outcomes_base`): a 429 comes back at once, an accepted call only
+  after its latency, so the outcomes alone overstate the share. A mild
   cut never goes under what the upstream accepted, in the window and on
   average alike (``delivered``), nor above what was sent: while refusals occur
   that is a lower bound of a bucket's refill rate, and bursts of prefetched
@@ -228,6 +232,7 @@ PEAK_GAP = 0.7  # a firm ceiling under this share of the peak: the capacity may 
 PEAK_PROBE_RTTS = 2.0  # ... so the ladder probes after this many clean round trips
 PEAK_LADDER_MAX = 0.5  # ... with steps up to this share of the rate while under the peak
 FIRST_ROUND_TRIP_MAX_S = 30.0  # a first round trip measured longer is an outage: taken as this
+SHORT_RTT_TICKS = 1.5  # a round trip up to this many ticks: outcomes heard by the next tick
 _MONOTONIC = ("last_tick", "deadline", "prepaid")  # never persisted
 
 
@@ -593,9 +598,22 @@ def _flat(
 
 
 def _short(state: PacerState, p: PacingParams) -> bool:
-    """No round trip longer than a tick measured, none being measured: a
-    tick's outcomes follow its releases within the next tick."""
-    return state.round_trip_s <= p.tick_seconds and state.waiting_s <= 0.0
+    """No round trip over ``SHORT_RTT_TICKS`` measured, none being measured:
+    a tick's outcomes follow its releases within the next tick (a cut's round
+    trip counts to the tick that hears its first fresh outcomes: a tick or a
+    little more for calls of milliseconds; one measured before the first cut
+    is two ticks at least)."""
+    return state.round_trip_s <= SHORT_RTT_TICKS * p.tick_seconds and state.waiting_s <= 0.0
+
+
+def _outcomes_base(state: PacerState, p: PacingParams, outcomes: int, sent: float) -> float:
+    """What a window's fresh refusals are a share of: its ``outcomes``, or,
+    on a long round trip (not :func:`_short`), the jobs ``sent`` over it when
+    more. A 429 comes back at once and an accepted call only after its
+    latency, so such a window hears the refusals of what was just sent and
+    the acceptances of what went out a round trip before, at a lower rate:
+    its outcomes alone overstate the refusals' share."""
+    return float(outcomes) if _short(state, p) else max(float(outcomes), sent)
 
 
 def update_rate(
@@ -733,10 +751,12 @@ def update_rate(
             episode = acc_ref >= _calling(acc_n, p)
             if episode:
                 f_ref, f_n = max(1, round(acc_ref)), max(1, round(acc_n))
+    # what the fresh refusals are a share of, for a cut's estimate
+    base = round(_outcomes_base(state, p, f_n, sent * min(interval, state.since_cut_s)))
     if state.episode:
         state = _refine(state, window, p)
         if episode:
-            return _cut(state, f_ref, f_n, sent, p, accepted_rate)
+            return _cut(state, f_ref, base, sent, p, accepted_rate)
         if f_n == 0:
             return state
         rtt, seen = state.round_trip_s, state.since_cut_s
@@ -760,10 +780,10 @@ def update_rate(
             lift = state.rate
             if may_grow:
                 lift = _lift(state, dt, p, sent=sent, accepted_rate=accepted_rate)
-            return _end_slow_start(state, f_ref, f_n, sent, accepted_rate, p, lift=lift)
+            return _end_slow_start(state, f_ref, base, sent, accepted_rate, p, lift=lift)
         episode = False
     if episode:
-        state = _cut(state, f_ref, f_n, sent, p, accepted_rate)
+        state = _cut(state, f_ref, base, sent, p, accepted_rate)
         if demand is None:  # a leader's first tick: the bucket may have refilled
             state = replace(state, saved=(state.ceiling or 0.0) * interval)
         return state
@@ -831,10 +851,11 @@ def brake(
         refused < BRAKE_DROP_RATIO * outcomes or outcomes < BRAKE_DROP_OUTCOMES
     ):
         return None  # past slow start, only a capacity that fell: not a probe's few refusals
-    share = (outcomes - refused + 0.5) / (outcomes + 1.0)
     sent = max(state.rate, sent or 0.0)
-    est = sent * share
     span = window.interval_seconds or 0.0
+    n = _outcomes_base(state, params, outcomes, sent * span)
+    share = (n - refused + 0.5) / (n + 1.0)
+    est = sent * share
     if span >= BRAKE_MIN_SPAN_S and window.accepted >= BRAKE_MIN_ACCEPTED:
         # the outcomes heard left a round trip ago, at a lower point of the
         # ramp than ``sent``; while the upstream refuses, what it accepts

@@ -326,6 +326,18 @@ def test_calls_slower_than_their_first_outcome_do_not_stall_slow_start(seed: int
     assert utilization(res, 60.0, 150.0) >= 0.5
 
 
+@pytest.mark.parametrize(("latency", "seed"), [(1.5, 4), (3.0, 1), (3.0, 2)])
+def test_slow_calls_refused_at_once_are_cut_by_the_share_of_what_was_sent(
+    latency: float, seed: int
+) -> None:
+    # an upstream that answers 429 at once and its calls after seconds: the
+    # outcomes heard were mostly refusals of what had just been sent, and a
+    # cut by their share fell to a fraction of the capacity (0.46-0.80 here)
+    sc = dataclasses.replace(slow_calls("slow-calls", latency, 60.0), refusal_latency=False)
+    res = run(sc, "pacerd", seed)
+    assert utilization(res, 30.0, 60.0) >= 0.9
+
+
 def slow_workers(name: str, tick: float) -> Scenario:
     """An upstream of 300/s and 20 workers whose calls take ~0.15 s: they call
     about 130 a second, and nothing is refused; slow start from 10/s."""

@@ -647,6 +647,39 @@ def test_a_brake_cuts_to_the_accepted_rate_when_the_ramp_ran_ahead_of_its_outcom
         assert cut.rate == pytest.approx(400.0 * share * (1 - P.decrease_margin))
 
 
+def test_on_a_long_round_trip_a_brake_takes_the_refusals_share_of_what_was_sent() -> None:
+    # calls of ~3 s, 429s at once: 0.12 s of outcomes are 4 refusals of what
+    # was just sent (133/s) and 1 acceptance of what went out 3 s before; 4
+    # in 5 refused is not the share of the 16 sent meanwhile
+    window = OutcomeWindow(accepted=1, refused=4, accepted_fresh=1, refused_fresh=4,
+                           interval_seconds=0.12)  # fmt: skip
+    long = replace(initial_state(P, now=T0), rate=100.0, round_trip_s=3.0)
+    cut = pacer.brake(long, window, P, sent=133.0)
+    assert cut is not None
+    n = 133.0 * 0.12
+    assert cut.rate == pytest.approx(133.0 * (n - 3.5) / (n + 1.0) * (1.0 - P.decrease_margin))
+    # outcomes heard within a tick of their release: their share, as before
+    short = replace(long, round_trip_s=0.0)
+    cut = pacer.brake(short, window, P, sent=133.0)
+    assert cut is not None
+    assert cut.rate == pytest.approx(P.decrease_factor * 133.0)
+
+
+def test_on_a_long_round_trip_a_cut_takes_the_refusals_share_of_what_was_sent() -> None:
+    # 10 refusals at once and 2 acceptances of calls sent ~3 s before, of the
+    # 100 sent over the tick: a mild episode, not a heavy one of 10 in 12
+    window = OutcomeWindow(accepted=2, refused=10, accepted_fresh=2, refused_fresh=10)
+    long = replace(at_ceiling(), round_trip_s=3.0)
+    after, _ = run(long, window, full(100))
+    assert not after.heavy
+    assert after.rate == pytest.approx(100.0 * (1.0 - 8.0 / 100.0) * (1.0 - P.decrease_margin))
+    # a round trip within a tick: the window's outcomes are its sends
+    short = replace(at_ceiling(), round_trip_s=1.0)
+    after, _ = run(short, window, full(100))
+    assert after.heavy
+    assert after.rate == pytest.approx(P.decrease_factor * 100.0)
+
+
 def test_a_brake_needs_many_refusals_making_a_large_share() -> None:
     state = replace(initial_state(P, now=T0), rate=100.0)
     few = OutcomeWindow(accepted_fresh=40, refused_fresh=pacer.BRAKE_MIN_FACTOR * 2 - 1)
