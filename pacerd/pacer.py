@@ -90,7 +90,8 @@ The law, per destination:
   accepted rate is under ``HYSTART_SHARE`` of the rate and no higher than the
   average before it or than the window before grown by the square root of the
   rate's growth (the accepted rate stopped growing with the rate: not outcomes
-  still on their way). Two such windows in a row, nothing refused, on a round
+  still on their way). Two such windows in a row, nothing refused, of ticks
+  that released what the rate allowed (:func:`_pressed`), on a round
   trip within a tick (:func:`_short`), end slow start just under the accepted
   rate, its ceiling firm: the bottleneck is past the upstream (workers slower
   than the rate), and every tick held at the rate piles up more work before
@@ -485,6 +486,17 @@ def _has_demand(demand: Demand | None) -> bool:
     )
 
 
+def _pressed(demand: Demand | None) -> bool:
+    """Whether the tick released what the rate allowed: its whole budget, or
+    up to ``max_inflight``, with due work left (not app-limited)."""
+    return (
+        demand is not None
+        and demand.budget > 0
+        and not demand.backlog_empty
+        and (demand.admitted >= demand.budget or demand.inflight_capped)
+    )
+
+
 def _may_grow(
     state: PacerState,
     demand: Demand | None,
@@ -788,10 +800,12 @@ def update_rate(
             state = replace(state, saved=(state.ceiling or 0.0) * interval)
         return state
     # slow start meets saturation (HyStart) when what the upstream accepts
-    # stops growing with the rate: not outcomes still on their way
+    # stops growing with the rate: not outcomes still on their way, nor a
+    # tick that had less to send than the rate (app-limited)
     flat = (
         state.ceiling is None
         and f_n >= HYSTART_MIN_OUTCOMES
+        and _pressed(demand)
         and _flat(state, p, accepted_rate, interval, before=(delivered_before, window_before))
     )
     if flat and state.flat and f_ref == 0 and _short(state, p):

@@ -440,6 +440,10 @@ def test_slow_start_ends_at_what_comes_back_after_two_flat_windows_on_a_short_ro
     capped = Demand(budget=180, admitted=100, inflight_capped=True)
     ended, _ = run(held, window, capped, inflight=2000)
     assert ended.ceiling == pytest.approx(low)
+    # a tick with less to send than the rate (app-limited) says nothing of it
+    short = Demand(budget=180, admitted=70, backlog_empty=True)
+    kept, _ = run(held, window, short, inflight=100)
+    assert (kept.ceiling, kept.rate, kept.flat) == (None, 180.0, False)
 
 
 def test_on_a_long_round_trip_flat_windows_only_hold_slow_start() -> None:
