@@ -104,8 +104,19 @@ if TYPE_CHECKING:
     from pacerd.pacer import PacingParams
 
 # The worker program of the pacerd runs (prefetch 200, like the workers).
+# Its calls time out well past the tail of the upstream's latency (lognormal,
+# LATENCY_SIGMA): at the demo's 10 s, calls of 3 s timed out about once a run,
+# and a drain, judged to its last job, then ended on a retry 10 s later.
 PREFETCH = 200
-app = build_app(upstreams_from_env(), prefetch=PREFETCH)
+ENV_LATENCY_MS = "BENCH_LATENCY_MS"  # the plan's median call, for the workers
+CALL_TIMEOUT_MEDIANS = 6.0  # the call timeout, in median calls (10 s at least)
+app = build_app(
+    upstreams_from_env(),
+    prefetch=PREFETCH,
+    call_timeout_seconds=max(
+        10.0, CALL_TIMEOUT_MEDIANS * float(os.environ.get(ENV_LATENCY_MS, "0")) / 1000.0
+    ),
+)
 
 DB = "pacerd_bench_real"
 VHOST = "pacerd-bench-real"
@@ -472,6 +483,7 @@ def pacerd_env(dsn: str, plan: Plan, upstream_url: str) -> dict[str, str]:
             "OTEL_METRICS_EXPORTER": "none",
             "OTEL_LOGS_EXPORTER": "none",
             "DEMO_UPSTREAMS": json.dumps({common.DESTINATION: upstream_url}),
+            ENV_LATENCY_MS: str(plan.latency_ms),
         }
         | {f"PACERD_PACING__{key.upper()}": value for key, value in plan.pacing}
     )

@@ -33,28 +33,30 @@ ENV_UPSTREAMS = "DEMO_UPSTREAMS"
 
 # Per phase (connect, write, read, waiting for a pooled connection): a call that
 # stalls fails fast and is retried; the handler's deadline bounds the whole call.
-TIMEOUT = httpx.Timeout(10.0, connect=3.0)
+CALL_TIMEOUT_SECONDS = 10.0
+TIMEOUT = httpx.Timeout(CALL_TIMEOUT_SECONDS, connect=3.0)
 
 
-def new_client(max_connections: int) -> httpx.AsyncClient:
+def new_client(max_connections: int, timeout: httpx.Timeout = TIMEOUT) -> httpx.AsyncClient:
     """A client for the upstream calls: ``max_connections`` at once, all kept alive."""
     limits = httpx.Limits(
         max_connections=max_connections, max_keepalive_connections=max_connections
     )
-    return httpx.AsyncClient(limits=limits, timeout=TIMEOUT)
+    return httpx.AsyncClient(limits=limits, timeout=timeout)
 
 
 class UpstreamClient:
     """The one pooled client of a worker process: opened by the app's
     ``lifespan`` when the worker starts, closed once it has stopped."""
 
-    def __init__(self, max_connections: int) -> None:
+    def __init__(self, max_connections: int, timeout: httpx.Timeout = TIMEOUT) -> None:
         self.max_connections = max_connections
+        self.timeout = timeout
         self._client: httpx.AsyncClient | None = None
 
     @contextlib.asynccontextmanager
     async def lifespan(self) -> AsyncIterator[None]:
-        async with new_client(self.max_connections) as client:
+        async with new_client(self.max_connections, self.timeout) as client:
             self._client = client
             try:
                 yield
@@ -103,14 +105,25 @@ async def call_upstream(client: httpx.AsyncClient, base_url: str, job: Job) -> d
     return {"tokens": answer.get("tokens"), "duplicate": bool(answer.get("duplicate"))}
 
 
-def build_app(upstreams: Mapping[str, str], *, prefetch: int = 32) -> WorkerApp:
-    """A worker app calling ``upstreams[job.destination]`` for every job."""
+def build_app(
+    upstreams: Mapping[str, str],
+    *,
+    prefetch: int = 32,
+    call_timeout_seconds: float = CALL_TIMEOUT_SECONDS,
+) -> WorkerApp:
+    """A worker app calling ``upstreams[job.destination]`` for every job; a
+    call's phases time out after ``call_timeout_seconds`` each (an upstream
+    whose calls take seconds needs more than the default), the handler after
+    twice that, 20 s at least."""
     # prefetch bounds the handlers running at once for each destination's queue:
     # one connection for each, so no call waits for the pool
-    http = UpstreamClient(max_connections=prefetch * max(1, len(upstreams)))
+    http = UpstreamClient(
+        max_connections=prefetch * max(1, len(upstreams)),
+        timeout=httpx.Timeout(call_timeout_seconds, connect=3.0),
+    )
     app = WorkerApp(
-        destinations=list(upstreams), prefetch=prefetch, handler_timeout_seconds=20.0,
-        lifespan=http.lifespan,
+        destinations=list(upstreams), prefetch=prefetch,
+        handler_timeout_seconds=max(20.0, 2.0 * call_timeout_seconds), lifespan=http.lifespan,
     )  # fmt: skip
 
     @app.handler()

@@ -164,3 +164,26 @@ async def test_the_upstream_client_is_open_only_within_the_apps_lifespan() -> No
     assert client.is_closed
     with pytest.raises(RuntimeError, match="only while the worker runs"):
         _ = http.client
+
+
+async def test_the_call_timeout_is_the_apps_and_bounds_the_handler() -> None:
+    # calls of 0.3 s: a timeout of 0.1 s retries them, one of 2 s lets them answer
+    async with upstream(latency_median_ms=300.0, latency_sigma=0.01) as server:
+        for timeout, expect_retry in ((0.1, True), (2.0, False)):
+            app = build_app({DESTINATION: server.url}, call_timeout_seconds=timeout)
+            assert app.handler_timeout_seconds == 20.0  # twice the call's, 20 s at least
+            handler = app.handler_for("call", DESTINATION)
+            assert handler is not None
+            assert app.lifespan is not None
+            async with app.lifespan():
+                if expect_retry:
+                    with pytest.raises(Retry, match="ReadTimeout"):
+                        await handler(job("slow"))
+                else:
+                    answer = await handler(job("fast"))
+                    assert isinstance(answer, dict)
+                    assert answer["duplicate"] is False
+    assert (
+        build_app({DESTINATION: server.url}, call_timeout_seconds=30.0).handler_timeout_seconds
+        == 60.0
+    )
