@@ -476,16 +476,6 @@ def _elapsed(state: PacerState, now: float, p: PacingParams) -> float:
     return min(max(0.0, now - state.last_tick), 2.0 * p.tick_seconds)
 
 
-def _has_demand(demand: Demand | None) -> bool:
-    return (
-        demand is not None
-        and demand.budget > 0
-        and demand.admitted >= demand.budget
-        and not demand.backlog_empty
-        and not demand.inflight_capped
-    )
-
-
 def _pressed(demand: Demand | None) -> bool:
     """Whether the tick released what the rate allowed: its whole budget, or
     up to ``max_inflight``, with due work left (not app-limited)."""
@@ -495,6 +485,17 @@ def _pressed(demand: Demand | None) -> bool:
         and not demand.backlog_empty
         and (demand.admitted >= demand.budget or demand.inflight_capped)
     )
+
+
+def _has_demand(demand: Demand | None) -> bool:
+    """Whether the tick used its whole budget, with due work left and room in flight."""
+    return _pressed(demand) and not (demand is not None and demand.inflight_capped)
+
+
+def _slow_start_period(state: PacerState, p: PacingParams) -> float:
+    """What slow start grows ``slow_start_factor`` over: a round trip, at least
+    a tick and ``SLOW_START_PERIOD_S``."""
+    return max(p.tick_seconds, state.round_trip_s, SLOW_START_PERIOD_S)
 
 
 def _may_grow(
@@ -593,19 +594,18 @@ def _flat(
     accepted_rate: float,
     interval: float,
     *,
-    before: tuple[float, float],
+    delivered: float,
+    previous: float,
 ) -> bool:
     """In slow start: whether a window's accepted rate stopped growing with
     the rate (saturation, not outcomes on their way): under ``HYSTART_SHARE``
-    of the rate, and no higher than the average before it (``before[0]``) or
-    than the window before (``before[1]``) grown by half of slow start's growth
+    of the rate, and no higher than the average before it (``delivered``) or
+    than the window before (``previous``) grown by half of slow start's growth
     over the window (in log terms: a rate that grew by its factor while what
     the upstream accepted grew by less than its square root)."""
     if accepted_rate >= HYSTART_SHARE * state.rate:
         return False
-    delivered, previous = before
-    period = max(p.tick_seconds, state.round_trip_s, SLOW_START_PERIOD_S)
-    half = p.slow_start_factor ** (interval / (2.0 * period))
+    half = p.slow_start_factor ** (interval / (2.0 * _slow_start_period(state, p)))
     return accepted_rate <= delivered or accepted_rate <= previous * half
 
 
@@ -764,7 +764,9 @@ def update_rate(
             if episode:
                 f_ref, f_n = max(1, round(acc_ref)), max(1, round(acc_n))
     # what the fresh refusals are a share of, for a cut's estimate
-    base = round(_outcomes_base(state, p, f_n, sent * min(interval, state.since_cut_s)))
+    base = f_n
+    if episode:
+        base = round(_outcomes_base(state, p, f_n, sent * min(interval, state.since_cut_s)))
     if state.episode:
         state = _refine(state, window, p)
         if episode:
@@ -806,7 +808,9 @@ def update_rate(
         state.ceiling is None
         and f_n >= HYSTART_MIN_OUTCOMES
         and _pressed(demand)
-        and _flat(state, p, accepted_rate, interval, before=(delivered_before, window_before))
+        and _flat(
+            state, p, accepted_rate, interval, delivered=delivered_before, previous=window_before
+        )
     )
     if flat and state.flat and f_ref == 0 and _short(state, p):
         # twice in a row on a short round trip: what holds it back is past the
@@ -1033,8 +1037,7 @@ def _grow(state: PacerState, dt: float, accepted_rate: float, p: PacingParams) -
     tick, rate = p.tick_seconds, state.rate
     rtt = max(tick, state.round_trip_s)  # growth is per round trip, at least a tick
     if state.ceiling is None:  # slow start, paced by what the upstream accepts
-        period = max(rtt, SLOW_START_PERIOD_S)  # per second at least, whatever the tick
-        grown = rate * p.slow_start_factor ** (dt / period)
+        grown = rate * p.slow_start_factor ** (dt / _slow_start_period(state, p))
         grown = min(grown, max(rate, p.slow_start_factor * accepted_rate))
         return replace(state, rate=_clamp(grown, p))
     c, m = state.ceiling, p.decrease_margin
@@ -1173,8 +1176,7 @@ def plan_tick(
     # (a hold on a few refusals may lift the rate to what a ramp accepted: no growth)
     grew = state.rate > before and window.refused_fresh == 0
     if state.ceiling is None and not state.episode and grew:
-        period = max(params.tick_seconds, state.round_trip_s, SLOW_START_PERIOD_S)
-        growth = params.slow_start_factor ** (1.0 / period)
+        growth = params.slow_start_factor ** (1.0 / _slow_start_period(state, params))
     return tick_budget(
         state,
         now=now,

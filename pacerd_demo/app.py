@@ -34,7 +34,14 @@ ENV_UPSTREAMS = "DEMO_UPSTREAMS"
 # Per phase (connect, write, read, waiting for a pooled connection): a call that
 # stalls fails fast and is retried; the handler's deadline bounds the whole call.
 CALL_TIMEOUT_SECONDS = 10.0
-TIMEOUT = httpx.Timeout(CALL_TIMEOUT_SECONDS, connect=3.0)
+
+
+def call_timeout(seconds: float) -> httpx.Timeout:
+    """Each phase of a call (write, read, a pooled connection) ``seconds``; a connect 3 s."""
+    return httpx.Timeout(seconds, connect=3.0)
+
+
+TIMEOUT = call_timeout(CALL_TIMEOUT_SECONDS)
 
 
 def new_client(max_connections: int, timeout: httpx.Timeout = TIMEOUT) -> httpx.AsyncClient:
@@ -119,7 +126,7 @@ def build_app(
     # one connection for each, so no call waits for the pool
     http = UpstreamClient(
         max_connections=prefetch * max(1, len(upstreams)),
-        timeout=httpx.Timeout(call_timeout_seconds, connect=3.0),
+        timeout=call_timeout(call_timeout_seconds),
     )
     app = WorkerApp(
         destinations=list(upstreams), prefetch=prefetch,
