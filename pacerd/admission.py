@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
@@ -231,6 +233,56 @@ class _Room:
         self.used -= n
         self._freed.set()
         self._freed = anyio.Event()
+
+
+class _Slices:
+    """Publishes a tick's release slices, each in a task of the tick's task
+    group, but a task that has published its slice and had its confirms
+    serves the next one: a new task starts only when every task is still
+    awaiting confirms. A tick whose confirms come back before its next
+    slice (the common case) publishes all of its slices in one task, and
+    the release schedule never waits for a confirm."""
+
+    def __init__(self, publish: Callable[[Sequence[ClaimedJob]], Awaitable[None]]) -> None:
+        self._publish = publish
+        self._queue: deque[Sequence[ClaimedJob]] = deque()
+        self._idle = 0  # tasks waiting for a slice
+        self._more = anyio.Event()
+        self._closed = False
+
+    def start(self, tg: anyio.abc.TaskGroup, group: Sequence[ClaimedJob]) -> None:
+        """Publishes ``group`` in a task of ``tg``: a waiting one, else a new one."""
+        self._queue.append(group)
+        if len(self._queue) > self._idle:
+            tg.start_soon(self._serve)
+        self._wake()
+
+    def close(self) -> None:
+        """No more slices: each task ends once the queue is empty."""
+        self._closed = True
+        self._wake()
+
+    def unsent(self) -> list[JobRef]:
+        """The jobs of slices no task took (the tick was cancelled first)."""
+        return [job.ref for group in self._queue for job in group]
+
+    def _wake(self) -> None:
+        if self._idle:
+            self._more.set()
+            self._more = anyio.Event()
+
+    async def _serve(self) -> None:
+        while True:
+            if self._queue:
+                await self._publish(self._queue.popleft())
+            elif self._closed:
+                return
+            else:
+                self._idle += 1
+                try:
+                    await self._more.wait()
+                finally:
+                    self._idle -= 1
 
 
 class _Claims:
@@ -575,7 +627,9 @@ class DestinationAdmission:
         """Publishes the tick's claimed jobs across the tick at the pacer's
         offsets from the tick's start (live ones first), in at most
         ``MAX_SLICES_PER_TICK`` release slices, each one ``publish_many`` with
-        its confirms pipelined; a slice due while the claim ran goes at once.
+        its confirms pipelined, in a task that a slice settled before the
+        next one's release point hands on (``_Slices``); a slice due while
+        the claim ran goes at once.
         ``claims`` holds the first chunk; the next ones are claimed as the
         slices go out (``CLAIM_CHUNK``), and the offsets are laid out for
         the whole limit while chunks keep coming full. The release points lie
@@ -625,6 +679,7 @@ class DestinationAdmission:
         outcome.mark_at = self.clock.monotonic() + tick / MARKS_PER_TICK
         sent = 0  # claims.jobs[:sent] went to a slice (which settles them)
         earlier = 0  # jobs claimed before a mid-tick cut claimed again
+        publishing = _Slices(partial(self._publish_slice, outcome=outcome, room=room))
 
         try:
             async with anyio.create_task_group() as tg:
@@ -676,13 +731,15 @@ class DestinationAdmission:
                             continue
                     await room.take(len(group))
                     sent += len(group)
-                    tg.start_soon(self._publish_slice, group, outcome, room)
+                    publishing.start(tg, group)
+                publishing.close()  # its tasks end once their slices are settled
         finally:
             # a chunk in flight when the loop ended completed inside the task
             # group: its jobs, and every other one not sent, are released below
             claims.stop()
             outcome.claimed = earlier + len(claims.jobs)
             outcome.failed.extend(job.ref for job in claims.jobs[sent:])
+            outcome.failed.extend(publishing.unsent())
             with anyio.CancelScope(shield=True):
                 await self._flush_confirmed(outcome, final=True)
                 if outcome.failed:

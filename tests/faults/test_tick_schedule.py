@@ -8,6 +8,7 @@ result is exact and takes no real time."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import datetime as dt
@@ -23,14 +24,16 @@ from pacerd.admission import (
     MAX_UNCONFIRMED,
     AdmissionConfig,
     DestinationAdmission,
+    _Slices,
 )
 from pacerd.errors import LedgerUnavailable, PublishError, PublishTimeout
+from pacerd.models import ClaimedJob
 from pacerd.pacer import PacingParams
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping, Sequence
 
-    from pacerd.models import ClaimedJob, DestinationRow
+    from pacerd.models import DestinationRow
 
 TICK_SECONDS = 0.2
 RATE = 300.0
@@ -284,3 +287,75 @@ async def test_a_retry_after_reported_after_the_tick_read_stops_its_first_releas
     assert (result.offered, result.released) == (0, 100)
     assert publisher.releases == []
     assert len(ledger.released) == 100
+
+
+class TaskRecordingPublisher(FakePublisher):
+    """Records, for each release slice, when it was published and from which
+    task (the task itself: an id of a task that ended may be reused)."""
+
+    def __init__(self, clock: VirtualClock, confirm_seconds: float) -> None:
+        super().__init__(clock, confirm_seconds=confirm_seconds)
+        self.slices: list[tuple[float, asyncio.Task[Any] | None]] = []
+
+    async def publish_many(
+        self, jobs: Sequence[ClaimedJob], headers: Sequence[Mapping[str, str]]
+    ) -> list[PublishError | None]:
+        assert self.clock is not None
+        self.slices.append((self.clock.monotonic(), asyncio.current_task()))
+        return await super().publish_many(jobs, headers)
+
+
+async def _tick_slices(confirm_seconds: float) -> list[tuple[float, asyncio.Task[Any] | None]]:
+    """The release slices of one tick of 10 jobs at 10/s (one every 0.1 s)."""
+    clock = VirtualClock()
+    stop = anyio.Event()
+    ticks = Ticks(clock, stop, until=0.5)
+    publisher = TaskRecordingPublisher(clock, confirm_seconds)
+    params = PacingParams(
+        tick_seconds=1.0, initial_rate=10.0, min_rate=10.0, max_rate=10.0, max_inflight=10**6
+    )
+    admission = DestinationAdmission(
+        ledger=SlowLedger(clock, FreeCosts(clock)), publisher=publisher, clock=clock,
+        config=AdmissionConfig(destination="d", queue="q", params=params), observer=ticks,
+    )  # fmt: skip
+    await run_loop(clock, admission, stop, 10.0)
+    first = ticks.done[0][1]
+    assert first.offered == 10
+    return publisher.slices[: first.offered]  # one job a slice
+
+
+async def test_slices_confirmed_before_the_next_one_are_published_by_one_task() -> None:
+    slices = await _tick_slices(confirm_seconds=0.01)
+    assert len(slices) == 10
+    assert len({task for _, task in slices}) == 1
+
+
+async def test_a_slice_awaiting_its_confirms_never_holds_the_next_one_back() -> None:
+    slow = await _tick_slices(confirm_seconds=0.25)  # 2-3 slices await confirms at once
+    fast = await _tick_slices(confirm_seconds=0.01)
+    assert [at for at, _ in slow] == [at for at, _ in fast]  # the same release points
+    assert len({task for _, task in slow}) == 3  # no more tasks than slices awaiting at once
+
+
+async def test_a_slice_no_task_took_before_the_tick_was_cancelled_is_released() -> None:
+    published: list[Sequence[ClaimedJob]] = []
+
+    async def publish(group: Sequence[ClaimedJob]) -> None:
+        published.append(group)
+
+    first, second = [_job("a")], [_job("b"), _job("c")]
+    slices = _Slices(publish)
+    async with anyio.create_task_group() as tg:
+        slices.start(tg, first)
+        await anyio.wait_all_tasks_blocked()  # published, its task waits for the next
+        tg.cancel_scope.cancel()
+        slices.start(tg, second)  # that task, cancelled, never takes it
+    assert published == [first]
+    assert slices.unsent() == [job.ref for job in second]
+
+
+def _job(job_id: str) -> ClaimedJob:
+    return ClaimedJob(
+        job_id=job_id, kind="k", destination="d", attempt=1, revision=1, payload_json="{}",
+        cursor_json=None, eligible_at=dt.datetime(2026, 1, 1, tzinfo=dt.UTC), live=False,
+    )  # fmt: skip
