@@ -63,7 +63,9 @@ The law, per destination:
   slow workers reaches the upstream later, whatever the rate) or, in slow
   start, the outcomes come back at ``HYSTART_SHARE`` of the rate or more
   (then what is in flight is the calls' latency: a measured round trip is
-  its fastest outcome's):
+  its fastest outcome's); past slow start, not while the outcomes of a tick
+  of ``HYSTART_MIN_OUTCOMES`` or more come back at under ``RETURN_SHARE``
+  of the rate (they wait before workers slower than it):
   ``+increase_step`` jobs/s per round trip — the same absolute step on every
   instance, so instances sharing an upstream converge to equal shares. The round
   trip is measured (from a cut to its first fresh outcomes) and is at least one
@@ -212,6 +214,7 @@ START_MIN_FACTOR = 4  # a heavy window ends slow start with this many x refusal_
 HYSTART_SHARE = 0.9  # slow start holds when the window accepted less than this share of the rate
 HYSTART_MIN_OUTCOMES = 20  # ... over at least this many outcomes, and no more than the average
 LADDER_MAX = 0.25  # the largest ladder step, as a share of the rate
+RETURN_SHARE = 0.5  # past slow start: no growth while outcomes return under this share of rate
 INFLIGHT_RTTS = 2.0  # in flight beyond this many round trips of the rate: no growth
 LOOP_SHARE = 0.8  # a tick that admitted less than this share of rate x time since the last one
 # (the loop ran late: ticks were skipped) is no evidence for growth
@@ -516,12 +519,20 @@ def _may_grow(
     (work piling up before slow workers reaches the upstream later) unless,
     in slow start, the outcomes come back (``returning``, a second) at
     ``HYSTART_SHARE`` of the rate or more: nothing piles up then, the calls
-    take longer than the round trip measured."""
+    take longer than the round trip measured. Past slow start, a rate whose
+    tick holds ``HYSTART_MIN_OUTCOMES`` or more does not grow while the
+    outcomes come back at under ``RETURN_SHARE`` of it: what it sent waits
+    before workers slower than the rate (a ladder over a stale ceiling ran
+    on to three times what they call, nothing refused meanwhile), and the
+    in-flight bound, which grows with the rate, says so too late."""
     if paused or not _has_demand(demand):
         return False
     assert demand is not None
     if demand.admitted + 1 < LOOP_SHARE * state.rate * max(0.0, now - state.last_tick):
         return False
+    sampled = state.rate * p.tick_seconds >= HYSTART_MIN_OUTCOMES  # a tick says enough
+    if state.ceiling is not None and sampled and returning < RETURN_SHARE * state.rate:
+        return False  # past slow start, what was sent waits before slower workers
     if inflight <= INFLIGHT_RTTS * state.rate * max(p.tick_seconds, state.round_trip_s):
         return True
     # in slow start, more in flight while the outcomes come back as fast as

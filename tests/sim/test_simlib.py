@@ -364,3 +364,17 @@ def test_slow_start_ends_at_the_pace_of_workers_slower_than_the_upstream(
     res = run(slow_workers("slow-workers", tick), "pacerd", seed)
     pace = sum(1 for t in res.call_t if 5.0 <= t < 10.0) / 5.0
     assert max(t.rate for t in res.ticks if 5.0 <= t.t < 10.0) <= 1.2 * pace
+
+
+@pytest.mark.parametrize(("tick", "seed"), [(0.5, 0), (0.5, 3), (1.0, 1)])
+def test_past_slow_start_the_rate_stays_within_reach_of_workers_slower_than_it(
+    tick: float, seed: int
+) -> None:
+    # a ladder over the firm ceiling slow start left went on to ~3 times what
+    # the workers call (nothing refuses while they hold the calls back);
+    # growth now stops while the outcomes come back at under half the rate
+    sc = dataclasses.replace(slow_workers("slow-workers-long", tick), duration=60.0)
+    res = run(sc, "pacerd", seed)
+    pace = sum(1 for t in res.call_t if 15.0 <= t < 60.0) / 45.0
+    highest = max(t.rate for t in res.ticks if 15.0 <= t.t < 60.0)
+    assert highest <= 1.25 * pacer.RETURN_SHARE**-1 * pace  # the hold and one ladder step

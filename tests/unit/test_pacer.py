@@ -469,12 +469,17 @@ def test_a_refusal_under_the_threshold_at_the_ceiling_stops_a_ladder() -> None:
     assert (after.ladder, after.saved, after.surplus) == (0.0, 0.0, 0.0)
 
 
+def clean(rate: float) -> OutcomeWindow:
+    """A tick's window of outcomes at ``rate``, none refused."""
+    return OutcomeWindow(accepted=round(rate), accepted_fresh=round(rate))
+
+
 def test_a_clean_tick_with_demand_adds_the_increase_step() -> None:
-    state, _ = run(at_ceiling(rate=50.0, ceiling=100.0), EMPTY, full(50))
+    state, _ = run(at_ceiling(rate=50.0, ceiling=100.0), clean(50), full(50))
     assert state.rate > 50.0  # far under the ceiling: recovers faster than a step
-    state, _ = run(at_ceiling(rate=99.9, ceiling=100.0), EMPTY, full(100))
+    state, _ = run(at_ceiling(rate=99.9, ceiling=100.0), clean(100), full(100))
     assert state.rate == pytest.approx(100.0)
-    state, _ = run(at_ceiling(rate=100.0, ceiling=100.0), EMPTY, full(100))
+    state, _ = run(at_ceiling(rate=100.0, ceiling=100.0), clean(100), full(100))
     assert state.rate == pytest.approx(100.0 + P.increase_step)
 
 
@@ -502,7 +507,7 @@ def test_a_stale_ceiling_is_climbed_with_doubling_steps() -> None:
     steps, budget = [], 30
     for _ in range(14):
         before = state.rate
-        state, plan = run(state, OutcomeWindow(accepted=30, accepted_fresh=30), full(budget))
+        state, plan = run(state, clean(before), full(budget))  # what the last tick sent
         steps.append(state.rate - before)
         budget = plan.budget
     # one step a round trip until what was sent above the ceiling exceeds what
@@ -900,6 +905,19 @@ def test_no_growth_while_work_piles_up_in_flight() -> None:
     assert piled.rate == 100.0
     flowing, _ = run(state, window, full(100), inflight=150)
     assert flowing.rate > 100.0
+
+
+def test_past_slow_start_no_growth_while_outcomes_come_back_at_under_half_the_rate() -> None:
+    # a ladder over a stale ceiling: released at 300/s, in flight under the
+    # bound, nothing refused, but only 100 outcomes a second come back: the
+    # rest waits before workers slower than the rate
+    state = replace(at_ceiling(rate=300.0, ceiling=90.0), ladder=60.0)
+    slow = OutcomeWindow(accepted=100, accepted_fresh=100)
+    held, _ = run(state, slow, full(300), inflight=200)
+    assert held.rate == 300.0
+    keeping_up = OutcomeWindow(accepted=250, accepted_fresh=250)  # a ladder a step behind
+    grown, _ = run(state, keeping_up, full(300), inflight=200)
+    assert grown.rate > 300.0
 
 
 @pytest.mark.parametrize("inflight", [0, 500])
