@@ -492,7 +492,7 @@ def _pressed(demand: Demand | None) -> bool:
 
 def _has_demand(demand: Demand | None) -> bool:
     """Whether the tick used its whole budget, with due work left and room in flight."""
-    return _pressed(demand) and not (demand is not None and demand.inflight_capped)
+    return _pressed(demand) and demand is not None and not demand.inflight_capped
 
 
 def _slow_start_period(state: PacerState, p: PacingParams) -> float:

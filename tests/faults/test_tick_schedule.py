@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 from support.fakes import FakePublisher, VirtualClock
+from support.publisher_contract import job
 from tickrig import Costs, FreeCosts, SlowLedger, Ticks, run_loop
 
 from pacerd.admission import (
@@ -27,13 +28,12 @@ from pacerd.admission import (
     _Slices,
 )
 from pacerd.errors import LedgerUnavailable, PublishError, PublishTimeout
-from pacerd.models import ClaimedJob
 from pacerd.pacer import PacingParams
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping, Sequence
 
-    from pacerd.models import DestinationRow
+    from pacerd.models import ClaimedJob, DestinationRow
 
 TICK_SECONDS = 0.2
 RATE = 300.0
@@ -343,7 +343,7 @@ async def test_a_slice_no_task_took_before_the_tick_was_cancelled_is_released() 
     async def publish(group: Sequence[ClaimedJob]) -> None:
         published.append(group)
 
-    first, second = [_job("a")], [_job("b"), _job("c")]
+    first, second = [job("a", "d")], [job("b", "d"), job("c", "d")]
     slices = _Slices(publish)
     async with anyio.create_task_group() as tg:
         slices.start(tg, first)
@@ -352,10 +352,3 @@ async def test_a_slice_no_task_took_before_the_tick_was_cancelled_is_released() 
         slices.start(tg, second)  # that task, cancelled, never takes it
     assert published == [first]
     assert slices.unsent() == [job.ref for job in second]
-
-
-def _job(job_id: str) -> ClaimedJob:
-    return ClaimedJob(
-        job_id=job_id, kind="k", destination="d", attempt=1, revision=1, payload_json="{}",
-        cursor_json=None, eligible_at=dt.datetime(2026, 1, 1, tzinfo=dt.UTC), live=False,
-    )  # fmt: skip
