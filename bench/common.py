@@ -350,7 +350,7 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
         return str(value)
 
     body = [[cell(v) for v in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(headers)]
+    widths = [max([len(h), *(len(r[i]) for r in body)]) for i, h in enumerate(headers)]
     lines = [
         "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |",
         "|" + "|".join("-" * (w + 2) for w in widths) + "|",

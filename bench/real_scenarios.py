@@ -733,6 +733,17 @@ def uptime() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
+def selected(known: list[Plan], only: str) -> list[Plan]:
+    """The plans ``--only`` names (comma-separated; empty: all); a name that is
+    no scenario stops the run."""
+    wanted = [name for name in only.split(",") if name]
+    unknown = sorted(set(wanted) - {p.name for p in known})
+    if unknown:
+        names = ", ".join(dict.fromkeys(p.name for p in known))
+        raise SystemExit(f"--only: no scenario {', '.join(unknown)} (there are: {names})")
+    return [p for p in known if not wanted or p.name in wanted]
+
+
 async def measure(args: argparse.Namespace) -> str:
     nginx = not args.no_nginx
     if nginx and not args.sim_seeds and nginx_binary() is None:
@@ -741,8 +752,7 @@ async def measure(args: argparse.Namespace) -> str:
         )
     chosen = [
         replace(p, pacing=args.pacing, latency_ms=args.latency_ms)
-        for p in plans(nginx)
-        if not args.only or p.name in args.only.split(",")
+        for p in selected(plans(nginx), args.only)
     ]
     for plan in chosen:  # a bad --pacing stops the run before anything starts
         try:
