@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 import os
 import re
 import signal
@@ -75,6 +76,36 @@ def parse_moment(text: str, *, now: dt.datetime) -> dt.datetime:
             f"{text!r} is neither an ISO-8601 time nor a duration like 30m, 2h, 7d"
         ) from None
     return moment if moment.tzinfo else moment.replace(tzinfo=dt.UTC)
+
+
+def count(text: str) -> int:
+    """An argument that counts something: a whole number, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """An argument in seconds: a finite number (negative: in the past)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds, got {text!r}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """An argument in seconds that must be more than 0."""
+    value = seconds(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, not {text}")
+    return value
 
 
 def _json_arg(text: str, what: str) -> Any:
@@ -160,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--watch", action="store_true", help="refresh live in the terminal")
     status.add_argument(
-        "--interval", type=float, default=1.0, help="--watch refresh seconds (default 1)"
+        "--interval", type=positive_seconds, default=1.0, help="--watch refresh seconds (default 1)"
     )
     status.add_argument(
         "--group", metavar="NAME", help="only the destinations of this group (-: of no group)"
@@ -190,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     schedule.add_argument("--payload", default="{}", help="JSON payload (default {})")
     when = schedule.add_mutually_exclusive_group()
     when.add_argument("--eligible-at", help="ISO-8601 time the job becomes due (default now)")
-    when.add_argument("--delay", type=float, help="seconds from now until the job is due")
+    when.add_argument("--delay", type=seconds, help="seconds from now until the job is due")
     schedule.add_argument("--revision", type=int, default=0)
     schedule.add_argument("--max-attempts", type=int)
 
@@ -206,14 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dead_filter(replay)
     replay.add_argument("--dry-run", action="store_true", help="only count what would be replayed")
     replay.add_argument(
-        "--limit", type=int, default=10_000, help="replay at most this many (default 10000)"
+        "--limit", type=count, default=10_000, help="replay at most this many (default 10000)"
     )
 
     dead = verbs.add_parser(
         "dead", parents=[common, as_json], help="list dead jobs with their last error"
     )
     _add_dead_filter(dead)
-    dead.add_argument("--limit", type=int, default=50)
+    dead.add_argument("--limit", type=count, default=50, help="list at most this many (default 50)")
 
     show = verbs.add_parser(
         "show", parents=[common, as_json], help="a job's state and full history"

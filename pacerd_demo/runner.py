@@ -40,6 +40,7 @@ import asyncpg
 from rich.console import Console
 from rich.live import Live
 
+from pacerd.cli import count, positive_seconds
 from pacerd.client import Client
 from pacerd.clock import SystemClock
 from pacerd.publisher import ready_queue_name
@@ -424,11 +425,14 @@ async def amain(args: argparse.Namespace, plan: DemoPlan, workdir: Path, output:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pacerd_demo", description=__doc__)
-    p.add_argument("--duration", type=float, default=None, help="seconds (default 180)")
+    p.add_argument("--duration", type=positive_seconds, default=None, help="seconds (default 180)")
     p.add_argument("--quick", action="store_true", help="about 20 s and 3,000 jobs")
-    p.add_argument("--workers", type=int, default=3, help="pacerd worker processes")
+    p.add_argument("--workers", type=count, default=3, help="pacerd worker processes")
     p.add_argument(
-        "--jobs", type=int, default=None, help="overdue jobs in all (default: the run at capacity)"
+        "--jobs",
+        type=count,
+        default=None,
+        help="overdue jobs in all (default: the run at capacity)",
     )
     p.add_argument("--database", default="pacerd_demo", help="dropped and recreated")
     p.add_argument("--admin-dsn", default=ADMIN_DSN)
