@@ -234,6 +234,43 @@ async def test_report_many_rejects_like_report(db_dsn: str, led: ledger.Ledger) 
         await conn.close()
 
 
+async def test_report_many_refuses_arrays_of_different_lengths(
+    db_dsn: str, led: ledger.Ledger
+) -> None:
+    """One element per report in every array: a short ``retry_after_s`` would
+    otherwise apply its last report without the Retry-After (unnest pads with
+    NULLs). An optional array may be empty or NULL: none for every report."""
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        await _jobs(conn, "d1", ["a", "b"])
+        await led.mark_offered(await _claim(led, "d1", epoch=0), offer_seconds=60)
+        call = (
+            "SELECT pacerd.report_many($1::text[], $2::int[], $3::text[], $4::float8[],"
+            " $5::text[], $6::jsonb[], $7::jsonb[])"
+        )
+        two = (["a", "b"], [1, 1], ["ok", "refused"])
+        cases = [
+            ((["a", "b"], [1], ["ok", "ok"], None, None, None, None), "got 2, 1 and 2"),
+            ((*two, [30.0], None, None, None), "retry_after_s needs one element per report (2)"),
+            ((*two, None, ["e", "e", "e"], None, None), "error needs one element per report"),
+            ((*two, None, None, ['{"x": 1}'], None), "detail needs one element per report"),
+            ((*two, None, None, None, ["{}"] * 3), "cursor needs one element per report"),
+        ]
+        for args, message in cases:
+            with pytest.raises(asyncpg.PostgresError) as info:
+                await conn.fetchval(call, *args)
+            assert getattr(info.value, "sqlstate", None) == "22023"
+            assert str(info.value).startswith("pacerd.report_many: "), str(info.value)
+            assert message in str(info.value)
+        states = await conn.fetch("SELECT state FROM pacerd.jobs ORDER BY job_id")
+        assert [r["state"] for r in states] == ["offered", "offered"]  # nothing applied
+
+        got = await conn.fetchval(call, ["a", "b"], [1, 1], ["ok", "ok"], [], [], [], [])
+        assert got == ["applied", "applied"]
+    finally:
+        await conn.close()
+
+
 async def test_mark_offered_is_fenced(db_dsn: str, led: ledger.Ledger) -> None:
     """The reshaped mark_offered still marks only claimed jobs at their attempt."""
     conn = await asyncpg.connect(db_dsn)
