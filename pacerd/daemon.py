@@ -64,7 +64,7 @@ class Daemon:
         self.notifier = notifier or Notifier.from_environment()
         self.shadow = shadow or cfg.pacing.mode == "shadow"
         self.instance = instance_name(cfg)
-        self.observer = TelemetryObserver(telemetry, self.clock)
+        self.observer = TelemetryObserver(telemetry, self.clock, cfg.leases.offer_seconds)
         self.stop_requested = anyio.Event()
         self.ready_event = anyio.Event()
         self._reload_requested = False
@@ -175,7 +175,7 @@ class Daemon:
     async def _run_components(self, ledger: ledger_module.Ledger) -> None:
         assert self.leadership is not None
         leadership = self.leadership
-        outcomes = OutcomeObserver(self.telemetry)
+        outcomes = OutcomeObserver(self.telemetry, self.observer.releases)
         consumer = OutcomeConsumer(
             ledger=ledger, broker=self.broker, clock=self.clock,
             prefetch=self.cfg.broker.outcome_prefetch, on_result=outcomes.on_outcomes,

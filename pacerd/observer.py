@@ -15,6 +15,7 @@ import structlog
 
 from pacerd.errors import PacerdError
 from pacerd.publisher import message_id
+from pacerd.roundtrips import ReleaseTimes
 from pacerd.telemetry import inject_traceparent
 
 if TYPE_CHECKING:
@@ -43,9 +44,14 @@ log = structlog.get_logger("pacerd.daemon")
 class TelemetryObserver:
     """Hands each tick's figures to OpenTelemetry and the log."""
 
-    def __init__(self, telemetry: Telemetry | None, clock: Clock) -> None:
+    def __init__(
+        self, telemetry: Telemetry | None, clock: Clock, offer_seconds: float = 300.0
+    ) -> None:
         self.telemetry = telemetry
         self.clock = clock
+        # when each job was released here (its offer lease at most), for the
+        # outcome consumer's round trips (``OutcomeObserver``)
+        self.releases = ReleaseTimes(clock, horizon_seconds=offer_seconds)
         self.last: dict[str, TickResult] = {}
         self.due: dict[str, tuple[int, float | None]] = {}
 
@@ -88,6 +94,7 @@ class TelemetryObserver:
             yield headers  # the slice is published and its confirms awaited here
             seconds = self.clock.monotonic() - began
         self.telemetry.record_publish(destination, confirm_seconds=seconds)
+        self.releases.released(destination, ((job.job_id, job.attempt) for job in jobs))
 
     def mark_offered_span(self, destination: str, *, count: int) -> AbstractContextManager[Any]:
         if self.telemetry is None:
@@ -149,18 +156,25 @@ class TelemetryObserver:
 
 
 class OutcomeObserver:
-    """Counts applied outcomes and reclaimed leases, and traces the rare ones."""
+    """Counts applied outcomes and reclaimed leases, times the round trips of
+    the jobs released here, and traces the rare outcomes."""
 
-    def __init__(self, telemetry: Telemetry | None) -> None:
+    def __init__(self, telemetry: Telemetry | None, releases: ReleaseTimes | None = None) -> None:
         self.telemetry = telemetry
+        self.releases = releases  # when the jobs this instance released went out
         self._ok_applied = 0  # `ok` reports applied since the last batch was counted
 
     def on_report(self, delivery: Delivery, report: Report, result: str) -> None:
-        """One outcome applied: a span continuing the worker's trace, and a count.
-        The common case (an `ok` applied) is only counted, per batch: a span per
-        report was a fifth of the daemon's CPU at full speed."""
+        """One outcome applied: its round trip (when released here), a span
+        continuing the worker's trace, and a count. The common case (an `ok`
+        applied) is only counted, per batch: a span per report was a fifth of
+        the daemon's CPU at full speed."""
         if self.telemetry is None:
             return
+        if result == "applied" and self.releases is not None:
+            heard = self.releases.heard(report.job_id, report.attempt)
+            if heard is not None:
+                self.telemetry.record_round_trip(*heard)
         if result == "applied" and report.outcome == "ok":
             self._ok_applied += 1
             return

@@ -34,6 +34,10 @@ underscores, counters end in ``_total`` and units are appended: ``pacerd_rate_pe
                                                         publish until its last confirm)
     pacerd.publish.failures        counter    {message} destination, reason
                                                         (nacked|returned|timeout)
+    pacerd.round_trip_seconds      histogram  s         destination (a job released by this
+                                                        instance, from its publish confirmed to
+                                                        its outcome applied, when this
+                                                        instance's consumer applied it)
     pacerd.build_info              gauge      1         version, python_version, instance_name
     pacerd.destinations            gauge      {destination} group (how many destinations of
                                                         the group this instance knows)
@@ -131,7 +135,7 @@ __all__ = [
     "METRIC_LEASES_RECLAIMED", "METRIC_LEDGER_STATEMENTS", "METRIC_OLDEST_DUE_AGE",
     "METRIC_OUTCOMES", "METRIC_OUTCOMES_APPLIED", "METRIC_OUTCOMES_INVALID", "METRIC_PAUSED",
     "METRIC_PUBLISH_CONFIRM", "METRIC_PUBLISH_FAILURES", "METRIC_RATE", "METRIC_REFUSALS",
-    "METRIC_TICK_DURATION",
+    "METRIC_ROUND_TRIP", "METRIC_TICK_DURATION",
     "SPAN_CLAIM", "SPAN_MARK_OFFERED", "SPAN_OUTCOME", "SPAN_PUBLISH", "SPAN_RECONCILE",
     "SPAN_TICK", "LatestValues", "SeriesRule", "Telemetry", "bind_log_context", "configure_logging",
     "extract_context", "inject_traceparent",
@@ -149,6 +153,7 @@ METRIC_LEASES_RECLAIMED = "pacerd.leases_reclaimed"
 METRIC_OUTCOMES_APPLIED = "pacerd.outcomes.applied"
 METRIC_OUTCOMES_INVALID = "pacerd.outcomes.invalid"
 METRIC_TICK_DURATION = "pacerd.tick.duration_seconds"
+METRIC_ROUND_TRIP = "pacerd.round_trip_seconds"
 METRIC_OUTCOMES = "pacerd.outcomes"
 METRIC_DEAD = "pacerd.dead"
 METRIC_LEADER = "pacerd.leader"
@@ -165,6 +170,7 @@ METRICS = (
     METRIC_OUTCOMES_APPLIED, METRIC_OUTCOMES_INVALID, METRIC_TICK_DURATION, METRIC_DEAD,
     METRIC_LEADER, METRIC_PAUSED, METRIC_COOLDOWN, METRIC_PUBLISH_CONFIRM,
     METRIC_PUBLISH_FAILURES, METRIC_BUILD_INFO, METRIC_DESTINATIONS, METRIC_LEDGER_STATEMENTS,
+    METRIC_ROUND_TRIP,
 )  # fmt: skip
 # A group's series report the maximum of its destinations' values for these
 # gauges, and the sum for every other one.
@@ -181,6 +187,7 @@ READY_EXCHANGE = "pacerd.ready"
 OUTCOMES_QUEUE = "pacerd.outcomes"
 _TICK_BUCKETS_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _CONFIRM_BUCKETS_SECONDS = (*_TICK_BUCKETS_SECONDS, 10.0, 30.0)
+_ROUND_TRIP_BUCKETS_SECONDS = (*_CONFIRM_BUCKETS_SECONDS, 60.0, 120.0, 300.0)
 
 _log = structlog.get_logger(__name__)
 
@@ -690,6 +697,12 @@ class Telemetry:
             "One tick of one destination until its first release may go: read, plan, first claim",
             explicit_bucket_boundaries_advisory=_TICK_BUCKETS_SECONDS,
         )
+        self.round_trip = meter.create_histogram(
+            METRIC_ROUND_TRIP,
+            "s",
+            "A job released by this instance, from its publish confirmed to its outcome applied",
+            explicit_bucket_boundaries_advisory=_ROUND_TRIP_BUCKETS_SECONDS,
+        )
 
     def count_statements(self, *counts: Mapping[str, int]) -> None:
         """Reports ``counts`` (statements sent so far, by name; each a
@@ -974,6 +987,10 @@ class Telemetry:
         for reason, count in (("nacked", nacked), ("returned", returned), ("timeout", timeouts)):
             if count:
                 self.publish_failures.add(count, {**where, "reason": reason})
+
+    def record_round_trip(self, destination: str, seconds: float) -> None:
+        """A job released here: from its publish confirmed to its outcome applied."""
+        self.round_trip.record(seconds, self.series_attributes(destination))
 
     def forget_destination(self, destination: str, *, everything: bool = False) -> None:
         """This instance no longer leads ``destination``: its per-tick gauges

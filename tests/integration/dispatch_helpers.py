@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Mapping
 
     from pacerd.admission import TickResult
+    from pacerd.telemetry import Telemetry
 
 
 def unique(prefix: str) -> str:
@@ -62,8 +63,10 @@ class TickLog:
 
 
 @contextlib.asynccontextmanager
-async def running_daemon(cfg: Config) -> AsyncIterator[tuple[Daemon, TickLog]]:
-    daemon = Daemon(cfg, config_path=None, signals=False)
+async def running_daemon(
+    cfg: Config, *, telemetry: Telemetry | None = None
+) -> AsyncIterator[tuple[Daemon, TickLog]]:
+    daemon = Daemon(cfg, config_path=None, signals=False, telemetry=telemetry)
     ticks = TickLog()
     ticks.install(daemon)
     async with anyio.create_task_group() as tg:

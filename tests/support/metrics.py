@@ -1,10 +1,15 @@
-"""Telemetry as the tests see it: a value recorded for every metric pacerd has."""
+"""Telemetry as the tests see it: a value recorded for every metric pacerd
+has, and the histograms an in-memory reader collected."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from opentelemetry.sdk.metrics.export import HistogramDataPoint
+
 if TYPE_CHECKING:
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
     from pacerd.telemetry import Telemetry
 
 GROUPED = "tenant-1"  # a destination of group GROUP under ``grouped_series``
@@ -33,3 +38,16 @@ def exercise_every_metric(tel: Telemetry, destination: str = "mail") -> None:
         tel.record_leadership({name: True})
         tel.record_admission_state(name, paused=True, paused_locally=False, cooldown=True)
         tel.record_publish(name, confirm_seconds=0.01, nacked=1, returned=1, timeouts=1)
+        tel.record_round_trip(name, 0.3)
+
+
+def histogram_points(reader: InMemoryMetricReader, name: str) -> list[HistogramDataPoint]:
+    """The data points of the histogram ``name`` (one per series) ``reader`` collects now."""
+    data = reader.get_metrics_data()
+    assert data is not None
+    points = [
+        p for r in data.resource_metrics for s in r.scope_metrics for m in s.metrics
+        if m.name == name for p in m.data.data_points
+    ]  # fmt: skip
+    assert all(isinstance(p, HistogramDataPoint) for p in points), name
+    return [p for p in points if isinstance(p, HistogramDataPoint)]

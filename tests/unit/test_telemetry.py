@@ -38,7 +38,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from pamqp.commands import Basic
 from pamqp.header import ContentHeader
 from prometheus_client import CollectorRegistry
-from support.metrics import exercise_every_metric, grouped_series
+from support.metrics import exercise_every_metric, grouped_series, histogram_points
 
 from pacerd import __version__
 from pacerd import telemetry as tm
@@ -46,10 +46,10 @@ from pacerd.admission import TickResult, rejection_reason
 from pacerd.clock import ManualClock
 from pacerd.config import Config
 from pacerd.errors import PublishRejected
-from pacerd.models import ClaimedJob
-from pacerd.observer import TelemetryObserver
+from pacerd.models import ClaimedJob, Outcome, Report
+from pacerd.observer import OutcomeObserver, TelemetryObserver
+from pacerd.publisher import Delivery, translate_errors
 from pacerd.publisher import _outcome as publisher_outcome
-from pacerd.publisher import translate_errors
 from pacerd.telemetry import (
     SPAN_CLAIM,
     SPAN_MARK_OFFERED,
@@ -379,6 +379,7 @@ def test_prometheus_names_on_metrics(harness: Harness) -> None:
         "pacerd_dead", "pacerd_leader", "pacerd_paused", "pacerd_cooldown",
         "pacerd_publish_confirm_duration_seconds_bucket", "pacerd_publish_failures_total",
         "pacerd_build_info", "pacerd_destinations", "pacerd_ledger_statements_total",
+        "pacerd_round_trip_seconds_bucket",
     } <= names  # fmt: skip
 
 
@@ -781,14 +782,43 @@ def test_observer_records_confirm_time_state_and_failures(harness: Harness) -> N
         mail | {("reason", "nacked")}: 2, mail | {("reason", "returned")}: 1,
         mail | {("reason", "timeout")}: 3,
     }  # fmt: skip
-    data = harness.metrics.get_metrics_data()
-    assert data is not None
-    [point] = [
-        p for r in data.resource_metrics for s in r.scope_metrics for m in s.metrics
-        if m.name == tm.METRIC_PUBLISH_CONFIRM for p in m.data.data_points
-    ]  # fmt: skip
-    assert isinstance(point, HistogramDataPoint)
+    [point] = histogram_points(harness.metrics, tm.METRIC_PUBLISH_CONFIRM)
     assert point.sum == 0.25
+
+
+def test_a_job_released_here_has_its_round_trip_timed_when_its_outcome_is_applied(
+    harness: Harness,
+) -> None:
+    clock = ManualClock()
+    observer = TelemetryObserver(harness.telemetry, clock, 60.0)
+    outcomes = OutcomeObserver(harness.telemetry, observer.releases)
+    jobs = [
+        ClaimedJob(
+            job_id=name,
+            kind="k",
+            destination="mail",
+            attempt=1,
+            revision=0,
+            payload_json="{}",
+            cursor_json=None,
+            eligible_at=clock.now(),
+            live=False,
+        )
+        for name in ("j1", "j2", "j3")
+    ]
+    with observer.publish_span("mail", jobs):
+        clock.advance(0.01)  # the confirms: the release is when they are back
+    clock.advance(2.0)
+    delivery = Delivery(body=b"{}", message_id=None, headers={}, delivery_tag=1)
+    outcomes.on_report(delivery, Report(job_id="j1", attempt=1, outcome=Outcome.OK), "applied")
+    outcomes.on_report(delivery, Report(job_id="j2", attempt=1, outcome=Outcome.REFUSED), "applied")
+    outcomes.on_report(delivery, Report(job_id="j3", attempt=1, outcome=Outcome.OK), "stale")
+    outcomes.on_report(delivery, Report(job_id="x", attempt=1, outcome=Outcome.OK), "applied")
+    mail = frozenset({("destination", "mail")})
+    assert harness.points(tm.METRIC_ROUND_TRIP) == {mail: 2}  # j1 and j2
+    [point] = histogram_points(harness.metrics, tm.METRIC_ROUND_TRIP)
+    assert point.sum == pytest.approx(4.0)  # 2 s each
+    assert len(observer.releases) == 1  # j3, stale here: it ages out
 
 
 # -- series per group ------------------------------------------------------------------
