@@ -34,10 +34,10 @@ underscores, counters end in ``_total`` and units are appended: ``pacerd_rate_pe
                                                         publish until its last confirm)
     pacerd.publish.failures        counter    {message} destination, reason
                                                         (nacked|returned|timeout)
-    pacerd.round_trip_seconds      histogram  s         destination (a job released by this
-                                                        instance, from its publish confirmed to
-                                                        its outcome applied, when this
-                                                        instance's consumer applied it)
+    pacerd.round_trip_seconds      histogram  s         destination (the first job of a release
+                                                        slice this instance published, from its
+                                                        publish confirmed to its outcome applied,
+                                                        when this instance's consumer applied it)
     pacerd.build_info              gauge      1         version, python_version, instance_name
     pacerd.destinations            gauge      {destination} group (how many destinations of
                                                         the group this instance knows)
@@ -700,7 +700,8 @@ class Telemetry:
         self.round_trip = meter.create_histogram(
             METRIC_ROUND_TRIP,
             "s",
-            "A job released by this instance, from its publish confirmed to its outcome applied",
+            "The first job of a release slice published here, from its publish confirmed to"
+            " its outcome applied",
             explicit_bucket_boundaries_advisory=_ROUND_TRIP_BUCKETS_SECONDS,
         )
 
