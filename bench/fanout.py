@@ -5,6 +5,7 @@ group, against the targets of the issue "Thousands of destinations".
     .venv/bin/python -m bench.fanout                          # 10,000 known / 1,000 active
     .venv/bin/python -m bench.fanout --destinations 1000 --active 200 --only drain,idle
     .venv/bin/python -m bench.fanout --quick --json /tmp/fanout.json
+    BENCH_PACERD_ROOT=/other/checkout .venv/bin/python -m bench.fanout --only statements  # A/B
 
 Every destination is ``tenant-NNNNN``, in one group ``[groups.tenants] match =
 "tenant-*"`` (one shared ready queue, ``pacerd.ready.tenants``), paced at
@@ -128,6 +129,8 @@ MATCH = "tenant-*"
 GROUP_QUEUE = f"pacerd.ready.{GROUP}"
 OWN_QUEUES = (GROUP_QUEUE, "pacerd.outcomes", "pacerd.outcomes.invalid")
 PACERD = Path(sys.executable).with_name("pacerd")  # .venv/bin/pacerd
+# the tree whose pacerd runs (an A/B: another checkout's; default this one)
+PACERD_ROOT = Path(os.environ.get("BENCH_PACERD_ROOT", str(common.ROOT)))
 LEADER_APPLICATION_NAME = "pacerd:leader"
 TICK_HISTOGRAM = "pacerd_tick_duration_seconds"
 STATEMENTS_COUNTER = "pacerd_ledger_statements_total"
@@ -440,7 +443,8 @@ def pacerd_env() -> dict[str, str]:
         "OTEL_TRACES_EXPORTER": "none",
         "OTEL_METRICS_EXPORTER": "none",  # /metrics still works: http_address adds its reader
         "OTEL_LOGS_EXPORTER": "none",
-        "PYTHONPATH": str(common.ROOT),  # bench.fanout_app for the workers
+        # that tree's pacerd first, then bench.fanout_app for the workers
+        "PYTHONPATH": os.pathsep.join([str(PACERD_ROOT), str(common.ROOT)]),
     }
     return env
 
@@ -1443,13 +1447,13 @@ async def section_twins(run: Run) -> dict[str, Any]:
 
 def _commit() -> str:
     done = subprocess.run(
-        ["git", "-C", str(common.ROOT), "rev-parse", "--short", "HEAD"],
+        ["git", "-C", str(PACERD_ROOT), "rev-parse", "--short", "HEAD"],
         capture_output=True,
         text=True,
         check=False,
     )
     dirty = subprocess.run(
-        ["git", "-C", str(common.ROOT), "status", "--porcelain", "pacerd"],
+        ["git", "-C", str(PACERD_ROOT), "status", "--porcelain", "pacerd"],
         capture_output=True,
         text=True,
         check=False,
