@@ -38,6 +38,8 @@ ADMIN_DSN = os.environ.get("BENCH_ADMIN_DSN", "postgresql://postgres@127.0.0.1:5
 AMQP_URL = os.environ.get("BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/pacerd-bench")
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
+# the tree whose pacerd a benchmark runs: another checkout's for an A/B, else this one
+PACERD_ROOT = Path(os.environ.get("BENCH_PACERD_ROOT", str(ROOT)))
 DESTINATION = "bench"
 READY_QUEUE = f"pacerd.ready.{DESTINATION}"
 # ~200 B ready message body (the issue's reference size).

@@ -57,7 +57,6 @@ from bench import common, limits
 
 DB = "pacerd_bench_dispatch"
 # The tree whose pacerd the daemon runs (a copy with a proposed change, say).
-PACERD_ROOT = Path(os.environ.get("BENCH_PACERD_ROOT", str(common.ROOT)))
 PYSPY = os.environ.get("BENCH_PYSPY", "/tmp/pacerd-prof/bin/py-spy")
 
 
@@ -95,7 +94,7 @@ def start_daemon(env: dict[str, str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "pacerd", "run"],
         env=env,
-        cwd=PACERD_ROOT,
+        cwd=common.PACERD_ROOT,
         stdout=subprocess.DEVNULL,
     )
 
@@ -297,7 +296,7 @@ def main() -> None:
     print(f"# dispatch — {time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
     print(f"# {common.machine_description()}")
     rate = f"{args.rate:,.0f}/s" if args.rate else "1.5 x the faster raw loop"
-    tree = "this checkout" if PACERD_ROOT == common.ROOT else f"{PACERD_ROOT}"
+    tree = "this checkout" if common.PACERD_ROOT == common.ROOT else f"{common.PACERD_ROOT}"
     print(
         f"# N = {args.jobs:,} jobs, {args.repeat} repeats, rate {rate}, "
         f"tick {args.tick} s, pacerd from {tree}"

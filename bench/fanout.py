@@ -129,8 +129,6 @@ MATCH = "tenant-*"
 GROUP_QUEUE = f"pacerd.ready.{GROUP}"
 OWN_QUEUES = (GROUP_QUEUE, "pacerd.outcomes", "pacerd.outcomes.invalid")
 PACERD = Path(sys.executable).with_name("pacerd")  # .venv/bin/pacerd
-# the tree whose pacerd runs (an A/B: another checkout's; default this one)
-PACERD_ROOT = Path(os.environ.get("BENCH_PACERD_ROOT", str(common.ROOT)))
 LEADER_APPLICATION_NAME = "pacerd:leader"
 TICK_HISTOGRAM = "pacerd_tick_duration_seconds"
 STATEMENTS_COUNTER = "pacerd_ledger_statements_total"
@@ -444,7 +442,7 @@ def pacerd_env() -> dict[str, str]:
         "OTEL_METRICS_EXPORTER": "none",  # /metrics still works: http_address adds its reader
         "OTEL_LOGS_EXPORTER": "none",
         # that tree's pacerd first, then bench.fanout_app for the workers
-        "PYTHONPATH": os.pathsep.join([str(PACERD_ROOT), str(common.ROOT)]),
+        "PYTHONPATH": os.pathsep.join([str(common.PACERD_ROOT), str(common.ROOT)]),
     }
     return env
 
@@ -1447,13 +1445,13 @@ async def section_twins(run: Run) -> dict[str, Any]:
 
 def _commit() -> str:
     done = subprocess.run(
-        ["git", "-C", str(PACERD_ROOT), "rev-parse", "--short", "HEAD"],
+        ["git", "-C", str(common.PACERD_ROOT), "rev-parse", "--short", "HEAD"],
         capture_output=True,
         text=True,
         check=False,
     )
     dirty = subprocess.run(
-        ["git", "-C", str(PACERD_ROOT), "status", "--porcelain", "pacerd"],
+        ["git", "-C", str(common.PACERD_ROOT), "status", "--porcelain", "pacerd"],
         capture_output=True,
         text=True,
         check=False,

@@ -90,7 +90,7 @@ def start_library_workers(
         subprocess.Popen(
             [sys.executable, "-m", "pacerd", "worker", "--app", "noop_app:app"],
             env=env,
-            cwd=dispatch.PACERD_ROOT,
+            cwd=common.PACERD_ROOT,
             stdout=subprocess.DEVNULL,
         )
         for _ in range(count)
@@ -341,7 +341,7 @@ def main() -> None:
         sys.exit(f"no peer venv at {args.peer_python}: see the docstring of bench/worker.py")
     print(f"# worker — {time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
     print(f"# {common.machine_description()}")
-    tree = "this checkout" if dispatch.PACERD_ROOT == common.ROOT else f"{dispatch.PACERD_ROOT}"
+    tree = "this checkout" if common.PACERD_ROOT == common.ROOT else f"{common.PACERD_ROOT}"
     print(
         f"# N = {args.jobs:,} jobs, {args.repeat} repeats, {args.workers} worker processes, "
         f"prefetch {args.prefetch}, pacerd from {tree}; uptime: "
