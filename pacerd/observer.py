@@ -95,7 +95,7 @@ class TelemetryObserver:
             seconds = self.clock.monotonic() - began
         self.telemetry.record_publish(destination, confirm_seconds=seconds)
         if jobs:  # one job a slice: a sample, spread over time, that costs nothing per job
-            self.releases.released(destination, [(jobs[0].job_id, jobs[0].attempt)])
+            self.releases.released(destination, jobs[0].job_id, jobs[0].attempt)
 
     def mark_offered_span(self, destination: str, *, count: int) -> AbstractContextManager[Any]:
         if self.telemetry is None:

@@ -15,8 +15,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
-
     from pacerd.clock import Clock
 
 
@@ -32,13 +30,13 @@ class ReleaseTimes:
     def __len__(self) -> int:
         return len(self._at)
 
-    def released(self, destination: str, jobs: Iterable[tuple[str, int]]) -> None:
-        """``jobs`` (job id, attempt) were released to ``destination`` just now."""
+    def released(self, destination: str, job_id: str, attempt: int) -> None:
+        """``job_id`` at ``attempt`` was released to ``destination`` just now."""
         now = self.clock.monotonic()
         at = self._at
-        for key in jobs:
-            at.pop(key, None)  # released again: it moves to the end
-            at[key] = (destination, now)
+        key = (job_id, attempt)
+        at.pop(key, None)  # released again: it moves to the end
+        at[key] = (destination, now)
         oldest = now - self.horizon_seconds
         while at:
             key = next(iter(at))
