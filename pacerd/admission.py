@@ -216,6 +216,30 @@ class _Publishing:
     mark_at: float = 0.0  # no mark from a slice before this (MARKS_PER_TICK a tick)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Begun:
+    """A tick planned (``DestinationAdmission.begin``), before its claim."""
+
+    now: float  # the tick's start, when its row was asked for
+    window: pacer.OutcomeWindow
+    plan: pacer.TickPlan
+    skipped: str | None
+    inflight: int
+    epoch_state: Mapping[str, Any] | None  # a cut: the state to save before the claim
+    limit: int  # jobs to claim (0: none)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Planned:
+    """A tick a ``TickPlanner`` read, planned and first claimed together with
+    others, for its destination's task to go on with (``ready``)."""
+
+    begun: Begun | None = None  # None: the destination is unknown
+    jobs: list[ClaimedJob] | None = None  # the first chunk (None: not claimed)
+    planning_seconds: float | None = None
+    error: PacerdError | None = None  # the shared statements failed: the tick fails
+
+
 class _Room:
     """How many more publishes may await their confirm (a weighted semaphore;
     a slice larger than the whole room goes alone)."""
@@ -307,6 +331,10 @@ class _Claims:
         self.claiming = False
         self._changed = anyio.Event()
 
+    def take(self, jobs: list[ClaimedJob], *, size: int) -> None:
+        """The first chunk, claimed elsewhere (a ``TickPlanner``) for ``size`` jobs."""
+        self._took(jobs, size)
+
     async def next_chunk(self) -> None:
         """Claims the next chunk (the tick's first: a failure fails the tick)."""
         self.claiming = True
@@ -341,16 +369,18 @@ class _Claims:
     async def _chunk(self) -> None:
         size = min(CLAIM_CHUNK, self.limit - len(self.jobs))
         try:
-            got = await self._claim(min(self.live_left, size), size)
-            got.sort(key=lambda job: not job.live)  # live first, order kept
-            self.jobs.extend(got)
-            self.live_left -= sum(job.live for job in got)
-            if len(got) < size or len(self.jobs) >= self.limit:
-                self.done = True
+            self._took(await self._claim(min(self.live_left, size), size), size)
         finally:
             self.claiming = False
             self._changed.set()
             self._changed = anyio.Event()
+
+    def _took(self, got: list[ClaimedJob], size: int) -> None:
+        got.sort(key=lambda job: not job.live)  # live first, order kept
+        self.jobs.extend(got)
+        self.live_left -= sum(job.live for job in got)
+        if len(got) < size or len(self.jobs) >= self.limit:
+            self.done = True
 
     def stop(self) -> None:
         """No more chunks (one in flight completes)."""
@@ -424,6 +454,7 @@ class DestinationAdmission:
         self.reopens_at: float | None = None
         self.woken = False
         self.sleeping: anyio.CancelScope | None = None  # run_destination's, between ticks
+        self.ready: Planned | None = None  # the next tick, prepared by a TickPlanner
         seed = zlib.crc32(f"{config.instance}/{config.destination}".encode())
         self._phase = seed / 2**32
 
@@ -468,27 +499,30 @@ class DestinationAdmission:
         return pacer.initial_state(params, now=now)
 
     async def run_once(self) -> TickResult:
-        """One tick of this destination (inside the observer's tick span)."""
+        """One tick of this destination (inside the observer's tick span): the
+        one a ``TickPlanner`` prepared for it (``ready``), else one that reads
+        and claims for itself."""
         if self.observer is None:
             return await self._tick()
         with self.observer.tick_span(self.config.destination, shadow=self.config.shadow):
             return await self._tick()
 
-    async def _tick(self) -> TickResult:
+    def begin(self, row: DestinationRow | None, now: float) -> Begun | None:
+        """A tick's plan from its destination's ``row`` read at ``now`` (None:
+        the destination is unknown); pure but for this admission's own state,
+        which it moves on. The caller then saves ``epoch_state`` (a cut) and
+        claims ``limit`` jobs, before ``_finish``."""
         cfg = self.config
-        dest = cfg.destination
         if self._reset_requested:
             self._reset_requested = False
             self.state, self._previous_row, self._demand = None, None, None
             self._broker_backoff, self._broker_retry_at = 0.0, None
-        now = self.clock.monotonic()
         self.next_deadline = None
         reopening, self.woken = self.woken and self.state is not None, False
-        row = await self.ledger.read_destination(dest, inflight=True)
         if row is None:
-            return TickResult(destination=dest, skipped="unknown")
+            return None
         if row.inflight is None:
-            raise LedgerError(f"{dest}: the ledger read no in-flight count")
+            raise LedgerError(f"{cfg.destination}: the ledger read no in-flight count")
         inflight = row.inflight
         if self.state is not None:
             state = self.state
@@ -521,12 +555,12 @@ class DestinationAdmission:
         )
         self.state = state
         self.next_deadline = plan.next_deadline
+        epoch_state = None
         if state.epoch > row.epoch:
             # A cut: the ledger's epoch moves now, not at the end of the tick, so
             # that reports arriving meanwhile for jobs claimed before it count
             # as stale and do not cut again.
-            persisted = {**(row.pacer_state or {}), "pacer": state.to_dict()}
-            await self.ledger.save_pacer_state(dest, persisted, epoch=state.epoch)
+            epoch_state = {**(row.pacer_state or {}), "pacer": state.to_dict()}
         if skipped is None and plan.cooldown:
             skipped = "cooldown"
         self.closed = skipped in CLOSED_SKIPS
@@ -534,24 +568,87 @@ class DestinationAdmission:
         if skipped == "cooldown" and row.cooldown_remaining_seconds > 0:
             read = self.clock.monotonic()  # the ledger's clock said so after this
             self.reopens_at = read + row.cooldown_remaining_seconds + REOPEN_MARGIN_SECONDS
+        limit = 0
+        if skipped is None and plan.budget > 0 and not cfg.shadow:
+            probing = self._broker_retry_at is not None  # one job, to see the broker take it
+            limit = 1 if probing else plan.budget
+        return Begun(
+            now=now, window=window, plan=plan, skipped=skipped, inflight=inflight,
+            epoch_state=epoch_state, limit=limit,
+        )  # fmt: skip
+
+    @property
+    def epoch(self) -> int:
+        """The pacer's epoch (once a tick has begun)."""
+        assert self.state is not None
+        return self.state.epoch
+
+    async def drop_ready(self) -> None:
+        """Releases what a planned tick that will not run had claimed (its
+        task is leaving, or no longer leads)."""
+        ready, self.ready = self.ready, None
+        if ready is None or not ready.jobs:
+            return
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.ledger.release_claims([job.ref for job in ready.jobs], reason="shutdown")
+            except LedgerError as exc:  # the claim lease returns them
+                log.warning("release_failed", count=len(ready.jobs), error=str(exc))
+
+    def first_chunk(self, begun: Begun) -> tuple[int, int]:
+        """(live limit, limit) of the first claim statement of ``begun``."""
+        size = min(CLAIM_CHUNK, begun.limit)
+        return min(begun.plan.live_budget, size), size
+
+    async def _tick(self) -> TickResult:
+        cfg = self.config
+        dest = cfg.destination
+        ready, self.ready = self.ready, None
+        if ready is not None:  # read, planned and first claimed with others
+            if ready.error is not None:
+                self.next_deadline = None
+                raise ready.error
+            if ready.begun is None:
+                return TickResult(destination=dest, skipped="unknown")
+            begun = ready.begun
+        else:
+            now = self.clock.monotonic()
+            self.next_deadline = None  # a failed read: the next tick on the schedule
+            row = await self.ledger.read_destination(dest, inflight=True)
+            maybe = self.begin(row, now)
+            if maybe is None:
+                return TickResult(destination=dest, skipped="unknown")
+            begun = maybe
+            if begun.epoch_state is not None:
+                await self.ledger.save_pacer_state(dest, begun.epoch_state, epoch=self.epoch)
+        return await self._finish(begun, ready)
+
+    async def _finish(self, begun: Begun, ready: Planned | None) -> TickResult:
+        cfg = self.config
+        dest = cfg.destination
+        now, plan, skipped = begun.now, begun.plan, begun.skipped
         claimed: list[ClaimedJob] = []
         outcome = _Publishing()
         would_admit = 0
-        planned = self.clock.monotonic() - now
+        planned = self.clock.monotonic() - now if ready is None else ready.planning_seconds
         if skipped is None and plan.budget > 0 and cfg.shadow:
             # Shadow mode: every decision is computed and reported; nothing is claimed.
             would_admit = await self.ledger.has_due(dest, at_least=plan.budget)
-        elif skipped is None and plan.budget > 0:
-            probing = self._broker_retry_at is not None  # one job, to see the broker take it
-            limit = 1 if probing else plan.budget
-            claims = _Claims(self._claim_chunk, limit=limit, live_limit=plan.live_budget)
-            await claims.next_chunk()  # a failure here fails the tick; later ones end the claim
-            planned = self.clock.monotonic() - now
+        elif begun.limit > 0:
+            claims = _Claims(self._claim_chunk, limit=begun.limit, live_limit=plan.live_budget)
+            if ready is not None and ready.jobs is not None:
+                claims.take(ready.jobs, size=self.first_chunk(begun)[1])
+            else:
+                await claims.next_chunk()  # a failure here fails the tick; later ones end the claim
+                planned = self.clock.monotonic() - now
             claimed = claims.jobs
             if claimed:
-                outcome = await self._publish_spread(claims, plan, started=now, inflight=inflight)
+                outcome = await self._publish_spread(
+                    claims, plan, started=now, inflight=begun.inflight
+                )
                 self._after_publishing(outcome)
-                state = self.state  # a brake may have cut the rate mid-tick
+        state = self.state  # a brake may have cut the rate mid-tick
+        assert state is not None
         admitted = would_admit if cfg.shadow else max(len(claimed), outcome.claimed)
         self._demand = pacer.Demand(
             budget=plan.budget if skipped is None else 0,
@@ -570,9 +667,9 @@ class DestinationAdmission:
             claimed=admitted,
             offered=len(outcome.confirmed),
             released=len(outcome.failed) + outcome.cut_released,
-            inflight=inflight,
-            accepted=window.accepted,
-            refused=window.refused,
+            inflight=begun.inflight,
+            accepted=begun.window.accepted,
+            refused=begun.window.refused,
             shadow=cfg.shadow,
             nacked=outcome.nacked,
             returned=outcome.returned,
@@ -587,7 +684,7 @@ class DestinationAdmission:
                     "rate": state.rate,
                     "budget": plan.budget,
                     "admitted": len(outcome.confirmed),
-                    "inflight": inflight,
+                    "inflight": begun.inflight,
                     "refusal_ratio": result.refusal_ratio,
                     "skipped": result.skipped,
                     "by": cfg.instance,
@@ -936,6 +1033,7 @@ async def run_destination(
     on_pass: Callable[[], None] | None = None,
     until: Callable[[TickResult | None], Awaitable[bool]] | None = None,
     sleep_until: Callable[[float], Awaitable[None]] | None = None,
+    wait_planned: Callable[[float], Awaitable[None]] | None = None,
 ) -> None:
     """Runs ticks on the pacer's schedule (each plan's ``next_deadline``: a
     tick that ends late is followed at once by the next, whose budget and
@@ -948,7 +1046,11 @@ async def run_destination(
     sleeps between ticks and returns early once ``stop`` is set (by default
     ``sleep_until_or_stop``; the tick loop cuts all of its destinations'
     sleeps short itself, with no task per sleep, through
-    ``admission.interrupt``). ``admission.wake`` ends a sleep too."""
+    ``admission.interrupt``). ``admission.wake`` ends a sleep too.
+    ``wait_planned`` (a ``TickPlanner``'s) replaces the sleep until each
+    next tick on the schedule: the tick comes back read, planned and first
+    claimed (``admission.ready``); the first tick, a reopening and a tick
+    woken early read and claim for themselves."""
     clock = admission.clock
     stop = stop or anyio.Event()
     admission.stop = stop
@@ -957,13 +1059,16 @@ async def run_destination(
         async def sleep_until(deadline: float) -> None:
             await sleep_until_or_stop(clock, deadline, stop)
 
-    async def sleep(deadline: float) -> None:
+    async def sleep(deadline: float, *, planned: bool = False) -> None:
         if admission.woken or stop.is_set():
             return
         with anyio.CancelScope() as scope:
             admission.sleeping = scope
             try:
-                await sleep_until(deadline)
+                if planned and wait_planned is not None:
+                    await wait_planned(deadline)
+                else:
+                    await sleep_until(deadline)
             finally:
                 admission.sleeping = None
 
@@ -978,6 +1083,7 @@ async def run_destination(
                 log.warning("tick_failed", destination=admission.config.destination, error=errors)
                 admission.forget_window()
         else:
+            await admission.drop_ready()
             admission.reset()
         if on_pass is not None:
             on_pass()
@@ -995,7 +1101,7 @@ async def run_destination(
             if clock.monotonic() < deadline:
                 admission.wake()
             continue
-        await sleep(deadline)
+        await sleep(deadline, planned=True)
 
 
 async def sleep_until_or_stop(clock: Clock, deadline: float, stop: anyio.Event) -> None:

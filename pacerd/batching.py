@@ -420,6 +420,25 @@ class SharedLedger:
         (``Ledger.park_destinations``); whether it was parked."""
         return await self._park(destination)
 
+    # -- a tick planner's statements (``planner.py``: one each, for every due tick) -----
+
+    async def read_rows(self, names: Sequence[str]) -> dict[str, DestinationRow]:
+        """The rows of ``names``, each with its in-flight count."""
+        self.statements["read_destination_inflight"] += 1
+        return await self.ledger.read_destinations(sorted(set(names)), inflight=True)
+
+    async def save_states(self, saves: Sequence[tuple[str, Mapping[str, Any], int]]) -> None:
+        self.statements["save_pacer_state"] += 1
+        await self.ledger.save_pacer_states(saves)
+
+    async def claim_many(
+        self, claims: Sequence[tuple[ClaimRequest, str]]
+    ) -> dict[str, list[ClaimedJob]]:
+        """(request, instance) each: the jobs claimed, by destination."""
+        self.statements["claim_due"] += 1
+        got = await self._claim_many([_Claim(request, instance) for request, instance in claims])
+        return {request.destination: jobs for (request, _), jobs in zip(claims, got, strict=True)}
+
     # -- the shared statements -------------------------------------------------------
 
     async def _park_many(self, names: list[str]) -> list[bool]:

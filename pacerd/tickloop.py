@@ -5,8 +5,9 @@ it, and nothing for the others.
                 partitions, and those whose next job came due)
                   ─► a tick task for each newly active destination
     each active destination, on the loop's schedule:
-                read ─► pacer (pure) ─► claim ─► publish across the tick
-                ─► mark ─► save   (statements and broker writes shared: batching.py)
+                read ─► pacer (pure) ─► claim   (every due one together: planner.py)
+                ─► publish across the tick ─► mark ─► save
+                        (statements and broker writes shared: batching.py)
     quiet for QUIET_TICKS ticks (nothing due, nothing in flight, no new
     outcomes): parked in the ledger, its task and memory gone
     the ledger's notices (notices.py): a destination resumed ticks at once
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING
 
 import anyio
@@ -38,6 +40,7 @@ from pacerd import pacer
 from pacerd.admission import DestinationAdmission, TickResult, run_destination, sleep_until_or_stop
 from pacerd.batching import SharedLedger, SharedPublisher
 from pacerd.errors import PacerdError
+from pacerd.planner import TickPlanner
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -105,6 +108,7 @@ class TickLoop:
         )
         self.broker = broker
         self.publisher = SharedPublisher(broker)  # the admissions' releases, written together
+        self.planner = TickPlanner(self.shared, clock=clock)  # their ticks, planned together
         self.clock = clock
         self.leadership = leadership
         self.admission_config = admission_config
@@ -149,6 +153,7 @@ class TickLoop:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._cancel_lost)
             tg.start_soon(grace)
+            tg.start_soon(self.planner.run)
             if self.notices is not None:
                 await tg.start(self.notices.run)
             task_status.started()
@@ -255,8 +260,10 @@ class TickLoop:
                 await run_destination(
                     entry.admission, leads=leads, stop=self.stop, on_pass=on_pass, until=until,
                     sleep_until=self.clock.sleep_until,
+                    wait_planned=partial(self.planner.wait, entry.admission, leads),
                 )  # fmt: skip
         finally:
+            await entry.admission.drop_ready()
             self.active.pop(destination, None)
             self.forget(destination)
             log.debug("destination_inactive", destination=destination, parked=parked)

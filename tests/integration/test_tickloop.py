@@ -60,6 +60,11 @@ async def test_idle_destinations_are_parked_and_woken_by_new_work(
             claims = loop.shared.statements["claim_due"]
             assert claiming >= 20 * 6, claiming
             assert claims <= claiming / 4, (claims, claiming)
+            # After its first tick, each destination's ticks were planned with
+            # the others' (planner.py): one read for many.
+            reads = loop.shared.statements["read_destination_inflight"]
+            assert loop.planner.passes > 0
+            assert reads <= len(ticks.ticks) / 4, (reads, len(ticks.ticks))
 
             with anyio.fail_after(30):  # nothing due, in flight or new: all parked
                 while loop.active:
