@@ -54,10 +54,13 @@ DESTINATION_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,199}$"
 RESTART_KEYS = (
     "database.",
     "broker.",
+    "pacing.mode",
+    "reconcile.",
     "telemetry.http_address",
     "telemetry.service_name",
     "telemetry.destination_series",
-    "daemon.instance_name",
+    "telemetry.log_format",
+    "daemon.",
 )  # prefixes a HUP reload cannot apply
 
 CREDENTIALS_DIRECTORY = "CREDENTIALS_DIRECTORY"  # set by systemd's LoadCredential=

@@ -14,10 +14,12 @@ import structlog
 from pacerd import config as config_module
 from pacerd.admission import AdmissionConfig
 from pacerd.errors import ConfigError, LedgerError, LedgerUnavailable, MigrationError, PacerdError
+from pacerd.ledger import settings_from_retry
 from pacerd.sdnotify import watchdog_interval_seconds
 from pacerd.telemetry import redact
 
 if TYPE_CHECKING:
+    from pacerd.config import Config
     from pacerd.daemon import Daemon
 
 log = structlog.get_logger("pacerd.daemon")
@@ -102,7 +104,7 @@ class Supervisor:
             self._broker_retry_at = now + self._broker_backoff
             self._broker_backoff = min(self._broker_backoff * 2, 10.0)
 
-    def _apply_reload(self) -> None:
+    async def _apply_reload(self) -> None:
         self.d._reload_requested = False
         if self.d.config_path is None:
             log.warning("reload_ignored", reason="no config file")
@@ -115,15 +117,37 @@ class Supervisor:
             self.d.notifier.ready("running (reload rejected: invalid config)")
             return
         diff = config_module.reload_diff(self.d.cfg, new)
-        self.d.cfg = new
+        old, self.d.cfg = self.d.cfg, new
         if self.d.tickloop is not None:
             self.d.tickloop.reconfigure()
         if self.d.telemetry is not None:
             from pacerd.telemetry import set_log_level
 
             set_log_level(new.telemetry.log_level)
+        try:
+            await self._apply_to_services(old, new)
+        except PacerdError as exc:  # the rest stands; the next reload tries again
+            log.error("reload_incomplete", error=str(exc))
         log.info("config_reloaded", changed=diff.changed, needs_restart=diff.needs_restart)
         self.d.notifier.ready("running (config reloaded)")
+
+    async def _apply_to_services(self, old: Config, new: Config) -> None:
+        """What a reload changes outside the process: the SQL API's retry
+        limits, the destinations it names (registered), and the queues of
+        its groups and destinations (declared, a no-op for those declared
+        already: a changed ``queue`` or a new group is bound before the next
+        publish goes to it)."""
+        ledger = self.d.ledger
+        if ledger is None:
+            return
+        if new.retry != old.retry:
+            await ledger.write_settings(settings_from_retry(new.retry))
+        for destination in sorted(set(new.destinations) - set(old.destinations)):
+            await ledger.ensure_destination(destination)
+        if self.d.broker.connected and (
+            new.destinations != old.destinations or new.groups != old.groups
+        ):
+            await self.declare_known(every_destination=True)
 
     def healthy(self) -> bool:
         """The tick loop, and every destination it runs, passed recently."""
@@ -137,7 +161,7 @@ class Supervisor:
         deadline = self.d.clock.monotonic()
         while not self.d.stop_requested.is_set():
             if self.d._reload_requested:
-                self._apply_reload()
+                await self._apply_reload()
             try:
                 await self._supervise_broker()
                 await self.d.leadership.supervise(

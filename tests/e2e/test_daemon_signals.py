@@ -3,11 +3,14 @@ SIGTERM mid-drain, a second SIGTERM, SIGUSR1/SIGUSR2, SIGHUP."""
 
 from __future__ import annotations
 
+import json
 import signal
 import uuid
 from typing import TYPE_CHECKING
 
+import aiormq
 import anyio
+import asyncpg
 import pytest
 from ha_helpers import schedule_backlog, state_counts
 from support.daemon import Daemon
@@ -159,5 +162,50 @@ async def test_sighup_applies_a_new_rate_and_keeps_running_on_an_invalid_file(
     proc.send(signal.SIGHUP)
     await proc.wait_event("reload_rejected")
     assert proc.alive
+    proc.send(signal.SIGTERM)
+    assert await proc.wait_exit(within=20) == 0
+
+
+async def test_sighup_stores_retry_limits_registers_new_destinations_and_binds_their_queues(
+    db_dsn: str, amqp_url: str, tmp_path: Path, pacerd_proc: list[Daemon]
+) -> None:
+    """What a reload changes outside the process is applied too: the SQL
+    API's retry limits, a destination it adds (registered in the ledger) and
+    the queues of its destinations and groups (bound before any publish);
+    what it cannot apply is logged as needing a restart."""
+    suffix = uuid.uuid4().hex[:8]
+    added, group = f"e2e-added-{suffix}", f"e2e-group-{suffix}"
+    config = _config(tmp_path / "c.toml", db_dsn, rate=20, amqp_url=amqp_url)
+    proc = Daemon(config, tmp_path / "log")
+    pacerd_proc.append(proc)
+    await proc.wait_event("pacerd_ready")
+    config.write_text(
+        config.read_text()
+        + "\n[retry]\nmax_attempts = 3\n\n[reconcile]\ninterval_seconds = 7.0\n"
+        + f'\n[destinations."{added}"]\nmax_rate = 50.0\n'
+        + f'\n[groups."{group}"]\nmatch = "{group}-*"\n'
+    )
+    proc.send(signal.SIGHUP)
+    reloaded = await proc.wait_event("config_reloaded")
+    assert "reconcile.interval_seconds" in reloaded["needs_restart"]
+    assert "retry.max_attempts" not in reloaded["needs_restart"]
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        limit = await conn.fetchval("SELECT value FROM pacerd.settings WHERE key = 'max_attempts'")
+        known = await conn.fetchval(
+            "SELECT count(*) FROM pacerd.destinations WHERE destination = $1", added
+        )
+    finally:
+        await conn.close()
+    assert json.loads(limit) == 3
+    assert known == 1
+    connection = await aiormq.connect(amqp_url)
+    try:
+        channel = await connection.channel()
+        for queue in (f"pacerd.ready.{added}", f"pacerd.ready.{group}"):
+            await channel.queue_declare(queue, passive=True)  # fails if not declared
+            await channel.queue_delete(queue)
+    finally:
+        await connection.close()
     proc.send(signal.SIGTERM)
     assert await proc.wait_exit(within=20) == 0
