@@ -127,6 +127,7 @@ class Daemon:
             self.leadership = Leadership(
                 self.locks, partitions=await led.read_partitions(), instance=self.instance,
                 clock=self.clock, broker_grace_seconds=max(5.0, 3 * self.cfg.pacing.tick_seconds),
+                reconciler=not self.shadow,
             )  # fmt: skip
         except BaseException:
             await led.close()
@@ -183,12 +184,9 @@ class Daemon:
         )  # fmt: skip
         reconciler = Reconciler(
             ledger=ledger, clock=self.clock,
-            config=ReconcilerConfig(
-                interval_seconds=self.cfg.reconcile.interval_seconds,
-                batch_size=self.cfg.reconcile.batch_size,
-            ),
+            config=ReconcilerConfig(**self.cfg.reconcile.model_dump()),
             on_result=outcomes.on_reconcile, telemetry=self.telemetry,
-            should_run=lambda: not self.shadow and leadership.reconciles(),
+            should_run=leadership.reconciles,  # never in shadow mode: it takes no reconciler lock
         )  # fmt: skip
         tickloop = self.tickloop = TickLoop(
             ledger=ledger, broker=self.broker, clock=self.clock, leadership=leadership,

@@ -328,8 +328,13 @@ class Leadership:
         instance: str,
         clock: Clock,
         broker_grace_seconds: float,
+        reconciler: bool = True,
     ) -> None:
+        """``reconciler``: whether this instance competes for the reconciler
+        lock (a shadow instance, which claims and reschedules nothing, does not:
+        holding it, it would stop the other instances' reconciling)."""
         self.locks = locks
+        self.reconciler = reconciler
         self.partitions = partitions
         self.instance = instance
         self.clock = clock
@@ -440,8 +445,10 @@ class Leadership:
             if self.has_lock(partition):
                 await ledger.set_leader(partition, self.instance)
             self._unrecorded.discard(partition)
-        if not self.locks.has_lock(RECONCILER_LOCK) and await self.locks.try_acquire(
-            RECONCILER_LOCK
+        if (
+            self.reconciler
+            and not self.locks.has_lock(RECONCILER_LOCK)
+            and await self.locks.try_acquire(RECONCILER_LOCK)
         ):
             log.info("leadership_acquired", role="reconciler", supervisor_pass=self.passes)
 
