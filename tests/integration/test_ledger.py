@@ -168,6 +168,25 @@ async def event_names(conn: asyncpg.Connection, job_id: str) -> list[str]:
     return [e for e, _, _ in await events(conn, job_id)]
 
 
+async def test_a_revision_is_new_work_a_retry_is_backlog(
+    ledger_: ledger.Ledger, sql: asyncpg.Connection
+) -> None:
+    """A job offered once is backlog when it is retried; a revision of it is
+    new input, which has never been offered: live again while it is due
+    within the live window."""
+    await schedule(sql, "a", eligible_at=utcnow() - secs(1))
+    first = await claim_one(ledger_, "a")
+    assert first.live
+    await offer(ledger_, [first])
+    await report(sql, "a", first.attempt, "retry", error="flaky")
+    retried = await claim_one(ledger_, "a", now=utcnow() + dt.timedelta(minutes=1))
+    assert not retried.live  # offered before: backlog
+    await offer(ledger_, [retried])
+    assert await schedule(sql, "a", eligible_at=utcnow() - secs(1), revision=1) == "revised"
+    revised = await claim_one(ledger_, "a")
+    assert revised.live
+
+
 async def destination(conn: asyncpg.Connection, name: str) -> dict[str, Any]:
     row = await conn.fetchrow("SELECT * FROM pacerd.destinations WHERE destination = $1", name)
     assert row is not None, f"destination {name} not found"
