@@ -72,7 +72,16 @@ HARNESS_APP = "pacerd-fault-harness"
 # AMQP basic.publish to the `pacerd.ready` exchange: class 60, method 40, a
 # reserved short, then the exchange name as a short string.
 PUBLISH_FRAME = b"\x00\x3c\x00\x28\x00\x00\x0cpacerd.ready"
-DB_DOWN = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
+# What the harness's own statements may meet while PostgreSQL restarts (a pooled
+# connection caught mid-statement by the restart can report an internal client
+# error instead of a closed one, as the daemon's ledger code expects too).
+DB_DOWN = (
+    OSError,
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+    TimeoutError,
+)
 
 
 # -- configuration ---------------------------------------------------------------------
