@@ -138,7 +138,11 @@ class TickPlanner:
             ]
             if saves:
                 await self.ledger.save_states(saves)
-            claims = [self._request(w, b) for w, b in planned.items() if b and b.limit > 0]
+            claims = [  # not for a task gone meanwhile, or a destination no longer led
+                self._request(w, b)
+                for w, b in planned.items()
+                if b is not None and b.limit > 0 and not w.gone and w.leads()
+            ]
             if claims:
                 with anyio.CancelScope(shield=True):  # claimed: handed on or released
                     claimed = await self.ledger.claim_many(claims)
@@ -149,6 +153,7 @@ class TickPlanner:
         abandoned: list[ClaimedJob] = []
         for waiter, begun in planned.items():
             name = waiter.admission.config.destination
+            # None when not claimed for (not led just then): if it ticks, it claims itself
             jobs = claimed.pop(name, None) if begun is not None and begun.limit > 0 else None
             if waiter.gone:
                 abandoned.extend(jobs or ())

@@ -168,3 +168,20 @@ async def test_a_destination_no_longer_led_is_woken_without_a_plan() -> None:
     assert lost.ready is None
     assert lost.state is None
     assert [r.destination for r in shared.claimed] == ["led"]
+
+
+async def test_a_destination_led_no_more_by_the_claim_is_not_claimed_for() -> None:
+    clock, shared = ManualClock(start=0.0, autojump=True), FakeShared()
+    planner = TickPlanner(shared, clock=clock)  # type: ignore[arg-type]
+    kept, lost = admission("kept", clock), admission("lost", clock)
+    answers = iter([True, False])  # led when the pass begins, not by its claim
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(planner.run)
+        async with anyio.create_task_group() as waiting:
+            waiting.start_soon(planner.wait, kept, lambda: True, 0.0)
+            waiting.start_soon(planner.wait, lost, lambda: next(answers), 0.0)
+        tg.cancel_scope.cancel()
+    assert [r.destination for r in shared.claimed] == ["kept"]
+    assert lost.ready is not None
+    assert lost.ready.begun is not None
+    assert lost.ready.jobs is None  # if it ticks after all, it claims for itself
