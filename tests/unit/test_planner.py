@@ -19,7 +19,9 @@ from pacerd.models import ClaimedJob, ClaimRequest, DestinationRow, JobRef
 from pacerd.planner import TickPlanner
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Callable, Mapping, Sequence
+
+    Waits = list[tuple[DestinationAdmission, Callable[[], bool], float]]
 
 NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 
@@ -81,16 +83,21 @@ def admission(name: str, clock: ManualClock) -> DestinationAdmission:
     return DestinationAdmission(ledger=None, publisher=None, clock=clock, config=config)  # type: ignore[arg-type]
 
 
+async def planned(planner: TickPlanner, waits: Waits) -> None:
+    """Runs ``planner`` until every (admission, leads, deadline) waiting on it is planned."""
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(planner.run)
+        async with anyio.create_task_group() as waiting:
+            for a, leads, deadline in waits:
+                waiting.start_soon(planner.wait, a, leads, deadline)
+        tg.cancel_scope.cancel()
+
+
 async def test_ticks_due_together_share_one_read_and_one_claim() -> None:
     clock, shared = ManualClock(start=100.0, autojump=True), FakeShared()
     planner = TickPlanner(shared, clock=clock)  # type: ignore[arg-type]
     admissions = [admission(f"d{i}", clock) for i in range(50)]
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(planner.run)
-        async with anyio.create_task_group() as waiting:
-            for a in admissions:
-                waiting.start_soon(planner.wait, a, lambda: True, 101.0)
-        tg.cancel_scope.cancel()
+    await planned(planner, [(a, lambda: True, 101.0) for a in admissions])
     assert planner.passes == 1
     assert shared.statements == Counter(read=1, claim=1)
     names = sorted(a.config.destination for a in admissions)
@@ -141,12 +148,7 @@ async def test_a_failed_read_fails_every_tick_it_served_and_none_is_claimed() ->
     shared.fail_read = True
     planner = TickPlanner(shared, clock=clock)  # type: ignore[arg-type]
     admissions = [admission(f"d{i}", clock) for i in range(3)]
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(planner.run)
-        async with anyio.create_task_group() as waiting:
-            for a in admissions:
-                waiting.start_soon(planner.wait, a, lambda: True, 0.0)
-        tg.cancel_scope.cancel()
+    await planned(planner, [(a, lambda: True, 0.0) for a in admissions])
     assert shared.statements == Counter(read=1)
     for a in admissions:
         assert a.ready is not None
@@ -157,12 +159,7 @@ async def test_a_destination_no_longer_led_is_woken_without_a_plan() -> None:
     clock, shared = ManualClock(start=0.0, autojump=True), FakeShared()
     planner = TickPlanner(shared, clock=clock)  # type: ignore[arg-type]
     led, lost = admission("led", clock), admission("lost", clock)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(planner.run)
-        async with anyio.create_task_group() as waiting:
-            waiting.start_soon(planner.wait, led, lambda: True, 0.0)
-            waiting.start_soon(planner.wait, lost, lambda: False, 0.0)
-        tg.cancel_scope.cancel()
+    await planned(planner, [(led, lambda: True, 0.0), (lost, lambda: False, 0.0)])
     assert led.ready is not None
     assert led.ready.jobs
     assert lost.ready is None
@@ -175,12 +172,7 @@ async def test_a_destination_led_no_more_by_the_claim_is_not_claimed_for() -> No
     planner = TickPlanner(shared, clock=clock)  # type: ignore[arg-type]
     kept, lost = admission("kept", clock), admission("lost", clock)
     answers = iter([True, False])  # led when the pass begins, not by its claim
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(planner.run)
-        async with anyio.create_task_group() as waiting:
-            waiting.start_soon(planner.wait, kept, lambda: True, 0.0)
-            waiting.start_soon(planner.wait, lost, lambda: next(answers), 0.0)
-        tg.cancel_scope.cancel()
+    await planned(planner, [(kept, lambda: True, 0.0), (lost, lambda: next(answers), 0.0)])
     assert [r.destination for r in shared.claimed] == ["kept"]
     assert lost.ready is not None
     assert lost.ready.begun is not None
