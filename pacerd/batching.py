@@ -461,6 +461,11 @@ class SharedLedger:
         return [got.get(c.request.destination, []) for c in claims]
 
     async def _release_abandoned(self, claim: _Claim, jobs: list[ClaimedJob]) -> None:
+        await self.release_abandoned(jobs)
+
+    async def release_abandoned(self, jobs: Sequence[ClaimedJob]) -> None:
+        """Releases claims whose tick will not run (its caller left): at once,
+        not at their lease's end; a ledger that cannot is left to the lease."""
         if not jobs:
             return
         try:

@@ -32,7 +32,7 @@ import anyio
 import structlog
 
 from pacerd.admission import Begun, Planned
-from pacerd.errors import LedgerError, PacerdError
+from pacerd.errors import PacerdError
 from pacerd.models import ClaimRequest
 
 if TYPE_CHECKING:
@@ -157,19 +157,17 @@ class TickPlanner:
             jobs = claimed.pop(name, None) if begun is not None and begun.limit > 0 else None
             if waiter.gone:
                 abandoned.extend(jobs or ())
-            elif failed is not None:
-                waiter.admission.ready = Planned(error=failed)
-            else:
+            elif failed is None:
                 waiter.admission.ready = Planned(begun=begun, jobs=jobs, planning_seconds=seconds)
-        if failed is not None:
+        if failed is not None:  # every tick it served fails (one that failed alone kept its error)
             for waiter in led:
-                if waiter not in planned and not waiter.gone and waiter.admission.ready is None:
+                if not waiter.gone and waiter.admission.ready is None:
                     waiter.admission.ready = Planned(error=failed)
         for waiter in due:
             waiter.done.set()
         if abandoned:
             with anyio.CancelScope(shield=True):
-                await self._release(abandoned)
+                await self.ledger.release_abandoned(abandoned)
 
     @staticmethod
     def _request(waiter: _Waiter, begun: Begun) -> tuple[ClaimRequest, str]:
@@ -182,9 +180,3 @@ class TickPlanner:
             live_window_seconds=cfg.params.live_window_seconds,
         )  # fmt: skip
         return request, cfg.instance
-
-    async def _release(self, jobs: list[ClaimedJob]) -> None:
-        try:
-            await self.ledger.release_claims([job.ref for job in jobs], reason="shutdown")
-        except LedgerError as exc:  # the claim lease returns them
-            log.warning("release_failed", count=len(jobs), error=str(exc))

@@ -72,9 +72,8 @@ class FakeShared:
             await self.finish_claim.wait()
         return {r.destination: [job(r.destination, i) for i in range(r.limit)] for r, _ in claims}
 
-    async def release_claims(self, refs: Sequence[JobRef], *, reason: str) -> list[JobRef]:
-        self.released.extend(refs)
-        return list(refs)
+    async def release_abandoned(self, jobs: Sequence[ClaimedJob]) -> None:
+        self.released.extend(job.ref for job in jobs)
 
 
 def admission(name: str, clock: ManualClock) -> DestinationAdmission:
