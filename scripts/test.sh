@@ -7,6 +7,6 @@ bash scripts/services.sh
 .venv/bin/ruff check pacerd pacerd_demo tests bench
 .venv/bin/ruff format --check pacerd pacerd_demo tests bench
 .venv/bin/mypy
-# The tests that run daemons go to one worker, one at a time (their xdist_group,
-# tests/conftest.py); everything else is spread over the other worker(s).
+# The tests are spread over the workers; an xdist_group (the claim plans' large
+# ledgers, built once) keeps its tests on one worker.
 .venv/bin/pytest -q -n "${PACERD_TEST_WORKERS:-2}" --dist loadgroup "$@"

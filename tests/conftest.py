@@ -156,17 +156,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     simpool.stop(config)
 
 
-# Tests that run daemons as processes and read their records. Under
-# pytest-xdist (`--dist loadgroup`) they run one at a time, on one worker, while
-# the other workers run the rest.
+# Tests that run daemons as processes and read their records (the harness's
+# blocking calls are its own). Under pytest-xdist they are spread over the
+# workers like every other test: each worker has its own template database and
+# RabbitMQ virtual host, and each test its own destinations.
 DAEMON_TEST_DIRS = frozenset({"e2e", "faults"})
 
 
 def _runs_daemons(item: pytest.Item | None) -> bool:
     return item is not None and item.path.parent.name in DAEMON_TEST_DIRS
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if _runs_daemons(item):
-            item.add_marker(pytest.mark.xdist_group("daemons"))

@@ -1,6 +1,6 @@
 """The test command relies on ``--dist loadgroup`` keeping each ``xdist_group``
-on one worker (the daemon tests one at a time, beside the rest; the
-claim-plan ledgers built once): run a small suite that way and check it."""
+on one worker (the claim-plan ledgers built once): run a small suite that
+way and check it."""
 
 from __future__ import annotations
 
