@@ -354,6 +354,7 @@ class SharedLedger:
         self._release = shared("release_claims", self._release_many, lazy=True)
         self._save = shared("save_pacer_state", self._save_many, lazy=True)
         self._park = shared("park_destinations", self._park_many, lazy=True)
+        self._has_due = shared("has_due", self.ledger.has_due_many)  # shadow ticks
         self._closed = ClosedSnapshot(
             ledger.closed_destinations, clock=clock, max_age_seconds=CLOSED_CHECK_SECONDS,
             noticed=noticed, counts=self.statements,
@@ -401,7 +402,7 @@ class SharedLedger:
         await self._save((destination, state, epoch))
 
     async def has_due(self, destination: str, *, at_least: int = 1) -> int:
-        return await self.ledger.has_due(destination, at_least=at_least)
+        return await self._has_due((destination, at_least))
 
     async def is_closed(self, destination: str) -> bool:
         """Paused or cooling down, as of a snapshot begun at most

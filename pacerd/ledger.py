@@ -470,6 +470,18 @@ class Ledger:
         rows = await self._fetch("has_due", destination, at_least, now)
         return int(rows[0]["n"])
 
+    async def has_due_many(
+        self, asks: Sequence[tuple[str, int]], now: dt.datetime | None = None
+    ) -> list[int]:
+        """``has_due`` for each (destination, at_least) of ``asks``, in one
+        statement; the counts in the order asked."""
+        if not asks:
+            return []
+        rows = await self._fetch(
+            "has_due_many", [name for name, _ in asks], [n for _, n in asks], now
+        )
+        return [int(r["n"]) for r in rows]
+
     async def list_destinations(self, now: dt.datetime | None = None) -> list[DestinationRow]:
         return [_destination_row(r) for r in await self._fetch("list_destinations", now)]
 

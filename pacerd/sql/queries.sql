@@ -231,6 +231,21 @@ SELECT count(*) AS n FROM (
     LIMIT $2
 ) s;
 
+-- name: has_due_many
+-- For each (destination, bound) of $1 and $2, in their order, its due jobs counted up to the bound (a bounded index range scan each: shadow ticks of many destinations in one statement).
+SELECT s.n
+FROM unnest($1::text[], $2::int[]) WITH ORDINALITY AS d(destination, at_least, ord)
+CROSS JOIN LATERAL (
+    SELECT count(*) AS n FROM (
+        SELECT 1 FROM pacerd.jobs j
+        WHERE j.destination = d.destination AND j.state = 'scheduled'
+          AND j.next_attempt_at <= coalesce($3::timestamptz, now())
+        ORDER BY j.next_attempt_at  -- an index range scan, whatever the statistics say
+        LIMIT d.at_least
+    ) due
+) s
+ORDER BY d.ord;
+
 -- name: list_destinations
 -- Every destination the ledger knows, with its shared state and counters.
 SELECT d.destination, d.paused, c.paused_all, d.cooldown_until, d.epoch,

@@ -46,6 +46,7 @@ STATEMENTS: dict[str, tuple[tuple[object, ...], set[str]]] = {
     ),
     "oldest_due": (("d", NOW), {"jobs_due_idx"}),
     "has_due": (("d", BATCH, NOW), {"jobs_due_idx"}),
+    "has_due_many": ((["d"], [BATCH], NOW), {"jobs_due_idx"}),
     "read_destination": ((["d"], NOW, True), {"jobs_inflight_idx"}),
     "reclaim_expired": ((NOW, BATCH), {"jobs_lease_idx", "jobs_pkey"}),
 }
@@ -254,7 +255,7 @@ def test_batch_cost_does_not_grow_with_the_backlog(
     assert b_large <= 1.5 * b_small + 50, (b_small, b_large)
 
 
-@pytest.mark.parametrize("statement", ["oldest_due", "has_due", "claim_due"])
+@pytest.mark.parametrize("statement", ["oldest_due", "has_due", "has_due_many", "claim_due"])
 def test_nothing_due_costs_next_to_nothing(
     plans: dict[str, dict[str, dict[str, Any]]], statement: str
 ) -> None:

@@ -1601,6 +1601,21 @@ async def test_oldest_due_has_due_and_the_inflight_count_read_with_the_row(
     assert (summary["d"].due, summary["d"].inflight, summary["d"].dead) == (3, 2, 0)
 
 
+async def test_has_due_many_counts_each_destination_up_to_its_bound_in_the_order_asked(
+    ledger_: ledger.Ledger, sql: asyncpg.Connection
+) -> None:
+    t = utcnow()
+    assert await ledger_.has_due_many([], now=t) == []
+    for i in range(5):
+        await schedule(sql, f"d{i}", eligible_at=t - secs(10 - i))
+        due_at = t - secs(1) if i == 0 else t + secs(i)  # one due, four later
+        await schedule(sql, f"e{i}", destination="e", eligible_at=due_at)
+    await schedule(sql, "future", eligible_at=t + secs(60))
+    asks = [("e", 100), ("d", 3), ("unknown", 5), ("d", 100), ("e", 1)]
+    assert await ledger_.has_due_many(asks, now=t) == [1, 3, 0, 5, 1]
+    assert [await ledger_.has_due(name, at_least=n, now=t) for name, n in asks] == [1, 3, 0, 5, 1]
+
+
 async def test_the_daemons_pool_sends_no_reset_but_rolls_back_an_open_transaction(
     db_dsn: str, sql: asyncpg.Connection
 ) -> None:
