@@ -163,6 +163,53 @@ def rabbitmqctl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess
     )
 
 
+# The broker's own functions behind `rabbitmqctl add_user`, `set_permissions`
+# and `delete_user`, called in one `rabbitmqctl eval`: each rabbitmqctl call
+# starts an Erlang VM (about a second of CPU), and a rig adds, permits and
+# deletes two users. Arguments go as byte lists, beyond any quoting.
+_BROKER_CALLS = {
+    "add_user": "rabbit_auth_backend_internal:add_user({0}, {1}, {actor})",
+    # set_permissions -p VHOST USER CONFIGURE WRITE READ
+    "set_permissions": (
+        "rabbit_auth_backend_internal:set_permissions({2}, {1}, {3}, {4}, {5}, {actor})"
+    ),
+    "delete_user": "rabbit_auth_backend_internal:delete_user({0}, {actor})",
+}
+
+
+def _erlang_binary(text: str) -> str:
+    return "<<" + ",".join(str(byte) for byte in text.encode()) + ">>"
+
+
+def broker_user_commands(*commands: tuple[str, ...], check: bool = True) -> None:
+    """Runs rabbitmqctl's ``add_user U P``, ``set_permissions -p V U C W R`` and
+    ``delete_user U`` commands, in order, in one call. Where that call fails
+    (another broker version), each runs as its own rabbitmqctl call, as it
+    would have; ``check``: a command that fails raises."""
+    steps = []
+    for i, command in enumerate(commands):
+        name, *args = command
+        binaries = [_erlang_binary(arg) for arg in args]
+        steps.append(
+            f"R{i} = " + _BROKER_CALLS[name].format(*binaries, actor=_erlang_binary("pacerd-tests"))
+        )
+    results = ", ".join(f"R{i}" for i in range(len(commands)))
+    done = rabbitmqctl("eval", f"{', '.join(steps)}, [{results}].")
+    if done.returncode == 0 and done.stdout.strip() == f"[{','.join(['ok'] * len(commands))}]":
+        return
+    if not check:  # deletions: what the call did not do, one at a time
+        for command in commands:
+            rabbitmqctl(*command)
+        return
+    for command in commands:  # undo whatever part was done, then one at a time
+        if command[0] == "add_user":
+            rabbitmqctl("delete_user", command[1])
+    for command in commands:
+        one = rabbitmqctl(*command)
+        if one.returncode != 0:
+            raise RuntimeError(f"rabbitmqctl {' '.join(command[:2])}: {one.stderr.strip()}")
+
+
 async def create_database(name: str) -> str:
     conn = await asyncpg.connect(ADMIN_DSN)
     try:
@@ -427,23 +474,25 @@ class Identities:
         await ledger.migrate(with_user(dsn, self.owner))
         vhost = _vhost(amqp_url)
         queue = ready_queue_name(destination)
-        for user, permissions in (
-            (self.daemon_user, DAEMON_BROKER_PERMISSIONS),
-            (self.worker_user, worker_broker_permissions([queue])),
-        ):
-            for args in (
+        commands = [
+            command
+            for user, permissions in (
+                (self.daemon_user, DAEMON_BROKER_PERMISSIONS),
+                (self.worker_user, worker_broker_permissions([queue])),
+            )
+            for command in (
                 ("add_user", user, self.password),
                 tuple(permissions.rabbitmqctl(vhost, user)),
-            ):
-                done = await anyio.to_thread.run_sync(functools.partial(rabbitmqctl, *args))
-                if done.returncode != 0:
-                    raise RuntimeError(f"rabbitmqctl {args[0]} {user}: {done.stderr.strip()}")
+            )
+        ]
+        await anyio.to_thread.run_sync(functools.partial(broker_user_commands, *commands))
 
     async def drop(self, dsn: str) -> None:
         """Deletes the broker users and the roles (the database's objects go back
         to the administrator first); each step is tried whatever the last did."""
-        for user in (self.daemon_user, self.worker_user):
-            await anyio.to_thread.run_sync(functools.partial(rabbitmqctl, "delete_user", user))
+        deletions = [("delete_user", user) for user in (self.daemon_user, self.worker_user)]
+        delete = functools.partial(broker_user_commands, *deletions, check=False)
+        await anyio.to_thread.run_sync(delete)
         roles = list(self.roles)
         with contextlib.suppress(*DB_DOWN):
             admin = await asyncpg.connect(ADMIN_DSN)
