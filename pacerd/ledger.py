@@ -467,14 +467,13 @@ class Ledger:
         self, destination: str, *, at_least: int = 1, now: dt.datetime | None = None
     ) -> int:
         """Counts due jobs up to ``at_least`` (a bounded scan, cheap on any backlog)."""
-        rows = await self._fetch("has_due", destination, at_least, now)
-        return int(rows[0]["n"])
+        return (await self.has_due_many([(destination, at_least)], now))[0]
 
     async def has_due_many(
         self, asks: Sequence[tuple[str, int]], now: dt.datetime | None = None
     ) -> list[int]:
         """``has_due`` for each (destination, at_least) of ``asks``, in one
-        statement; the counts in the order asked."""
+        statement (the one both send); the counts in the order asked."""
         if not asks:
             return []
         rows = await self._fetch(

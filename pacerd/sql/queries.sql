@@ -221,18 +221,8 @@ SELECT min(next_attempt_at) AS oldest_due_at
 FROM pacerd.jobs
 WHERE destination = $1 AND state = 'scheduled' AND next_attempt_at <= coalesce($2::timestamptz, now());
 
--- name: has_due
--- Whether one destination has at least $2 due jobs beyond the first (bounded scan).
-SELECT count(*) AS n FROM (
-    SELECT 1 FROM pacerd.jobs
-    WHERE destination = $1 AND state = 'scheduled'
-      AND next_attempt_at <= coalesce($3::timestamptz, now())
-    ORDER BY next_attempt_at  -- an index range scan, whatever the statistics say
-    LIMIT $2
-) s;
-
 -- name: has_due_many
--- For each (destination, bound) of $1 and $2, in their order, its due jobs counted up to the bound (a bounded index range scan each: shadow ticks of many destinations in one statement).
+-- For each (destination, bound) of $1 and $2, in their order, whether it has at least that many due jobs: its due jobs counted up to the bound (a bounded index range scan each; the shadow ticks of many destinations in one statement).
 SELECT s.n
 FROM unnest($1::text[], $2::int[]) WITH ORDINALITY AS d(destination, at_least, ord)
 CROSS JOIN LATERAL (
