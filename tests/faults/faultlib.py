@@ -1371,9 +1371,12 @@ class Sample:
     inflight: int
     tick: str = ""  # the tick that triggered it: instance, budget, claimed
     claimed: int = -1  # what that tick claimed (-1: not sampled on a tick)
+    budget: int = -1  # that tick's budget (-1: not sampled on a tick)
 
 
-async def sample_once(rig: Rig, out: list[Sample], tick: str = "", claimed: int = -1) -> None:
+async def sample_once(
+    rig: Rig, out: list[Sample], tick: str = "", claimed: int = -1, budget: int = -1
+) -> None:
     """One sample of the oldest-due age, due and in flight, now."""
     row = await rig.db().fetchrow(
         "SELECT extract(epoch FROM now() - min(next_attempt_at) FILTER (WHERE"
@@ -1384,7 +1387,7 @@ async def sample_once(rig: Rig, out: list[Sample], tick: str = "", claimed: int 
         rig.destination,
     )
     assert row is not None
-    out.append(Sample(time.time(), row["age"], row["due"], row["inflight"], tick, claimed))
+    out.append(Sample(time.time(), row["age"], row["due"], row["inflight"], tick, claimed, budget))
 
 
 async def sample_forever(rig: Rig, out: list[Sample], every: float) -> None:
@@ -1400,7 +1403,7 @@ async def sample_every_tick(rig: Rig, out: list[Sample]) -> None:
     destination (each tick record that was not skipped)."""
     offsets: dict[str, int] = {}
     while True:
-        ticked, claimed = "", -1
+        ticked, claimed, budget = "", -1, -1
         for p in rig.pacerds:
             with contextlib.suppress(OSError):
                 with p.log.open("rb") as f:
@@ -1411,9 +1414,9 @@ async def sample_every_tick(rig: Rig, out: list[Sample]) -> None:
                 for doc in records(data[:end].decode(errors="replace"), TICK_EVENT):
                     if doc["destination"] == rig.destination and doc.get("skipped") is None:
                         ticked = f"{p.name} budget {doc['budget']} claimed {doc['claimed']}"
-                        claimed = int(doc["claimed"])
+                        claimed, budget = int(doc["claimed"]), int(doc["budget"])
         if ticked:
-            await sample_once(rig, out, ticked, claimed)
+            await sample_once(rig, out, ticked, claimed, budget)
         await anyio.sleep(0.01)
 
 
@@ -1424,14 +1427,20 @@ def rises(samples: Sequence[Sample], *, tolerance: float = 0.0) -> list[tuple[fl
     at once, so the sample after a tick can already see the next tick's claims;
     the sample after that next tick then sees no new claim. Such a pair (the due
     count unchanged, the later tick having claimed, the rise no more than the
-    time between the samples) is the sampling race, not a rise of the age."""
+    time between the samples) is the sampling race, not a rise of the age. So
+    is a tick with no budget right after one that claimed: a tick that ends
+    late is followed at once by the next, which pays only for the time left
+    until its deadline (``pacer.tick_budget``), often less than a job; the age
+    then grows by the time between the two samples, and the next tick claims.
+    Two ticks in a row with nothing claimed while jobs are due still count."""
     out = []
     aged = [(s, s.oldest_due_age) for s in samples if s.oldest_due_age is not None]
     for (a, age_a), (b, age_b) in itertools.pairwise(aged):
         rise = age_b - age_a
         if rise <= tolerance:
             continue
-        raced = b.due == a.due and b.claimed > 0 and rise <= (b.t - a.t) + 0.05
+        followed = b.budget == 0 and a.claimed > 0  # the late tick's next, with no budget
+        raced = b.due == a.due and (b.claimed > 0 or followed) and rise <= (b.t - a.t) + 0.05
         if not raced:
             out.append((b.t, rise))
     return out
