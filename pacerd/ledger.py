@@ -15,6 +15,7 @@ import functools
 import json
 import re
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
         Callable,
         Iterable,
         Iterator,
-        Mapping,
         Sequence,
     )
 
@@ -279,15 +279,38 @@ def _refs_arrays(refs: Sequence[JobRef]) -> tuple[list[str], list[int]]:
     return [r.job_id for r in refs], [r.attempt for r in refs]
 
 
-def _json_object(text: str | None) -> dict[str, Any] | None:
-    """A persisted JSON object, or None for anything else (never raises)."""
-    if not text:
-        return None
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
+class PersistedObject(Mapping[str, Any]):
+    """A JSON object persisted as text (a destination's pacer state), decoded
+    when first read: every tick reads its destination's row, but its
+    admission loads the state only on its first tick and merges it only into
+    a cut's. Anything but a JSON object reads as empty (never raises)."""
+
+    __slots__ = ("_text", "_value")
+
+    def __init__(self, text: str) -> None:
+        self._text = text
+        self._value: dict[str, Any] | None = None
+
+    def _decoded(self) -> dict[str, Any]:
+        if self._value is None:
+            try:
+                value = json.loads(self._text)
+            except ValueError:
+                value = None
+            self._value = value if isinstance(value, dict) else {}
+        return self._value
+
+    def __getitem__(self, key: str) -> Any:
+        return self._decoded()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._decoded())
+
+    def __len__(self) -> int:
+        return len(self._decoded())
+
+    def __repr__(self) -> str:
+        return f"PersistedObject({self._decoded()!r})"
 
 
 def _destination_row(r: asyncpg.Record) -> DestinationRow:
@@ -297,7 +320,7 @@ def _destination_row(r: asyncpg.Record) -> DestinationRow:
         paused_all=r["paused_all"],
         cooldown_until=r["cooldown_until"],
         epoch=r["epoch"],
-        pacer_state=_json_object(r["pacer_state"]),
+        pacer_state=PersistedObject(r["pacer_state"]) if r["pacer_state"] else None,
         n_accepted=r["n_accepted"],
         n_refused=r["n_refused"],
         n_accepted_fresh=r["n_accepted_fresh"],

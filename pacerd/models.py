@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import datetime as dt
+    from collections.abc import Mapping
 
 
 class JobState(enum.StrEnum):
@@ -111,7 +112,7 @@ class DestinationRow:
     paused_all: bool
     cooldown_until: dt.datetime | None
     epoch: int
-    pacer_state: dict[str, Any] | None
+    pacer_state: Mapping[str, Any] | None  # the persisted JSON object
     n_accepted: int
     n_refused: int
     n_accepted_fresh: int

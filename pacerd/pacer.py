@@ -350,7 +350,7 @@ class PacerState:
 
     def to_dict(self) -> dict[str, float | int | bool | None]:
         """JSON-able, without the monotonic timestamps (not portable across hosts)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _MONOTONIC}
+        return {name: getattr(self, name) for name in _PERSISTED}
 
     @classmethod
     def from_dict(
@@ -387,6 +387,9 @@ class PacerState:
             tick = params.tick_seconds
             state = replace(state, rate=_clamp(state.rate, params), last_tick=now - tick)
         return replace(state, credit=min(state.credit, 0.999_999))
+
+
+_PERSISTED = tuple(f.name for f in fields(PacerState) if f.name not in _MONOTONIC)
 
 
 def initial_state(params: PacingParams, now: float) -> PacerState:

@@ -1035,3 +1035,52 @@ async def test_the_reconciler_runs_when_told_in_a_reconcile_span(harness: Harnes
         await reconciler.run()
     assert runs == [7, 7]  # the first pass was skipped: should_run said no
     assert tm.SPAN_RECONCILE in harness.finished()
+
+
+def test_admitted_and_refused_count_on_across_collections_and_sum_a_groups_destinations(
+    harness: Harness,
+) -> None:
+    tel = harness.telemetry
+    tel.set_series(grouped_config().series_for)
+    record_a_tick(tel)
+    mail = frozenset({("destination", "mail")})
+    assert harness.points(tm.METRIC_ADMITTED) == {mail | {("mode", "active")}: 2}
+    record_a_tick(tel)
+    for tenant in ("tenant-1", "tenant-2"):
+        tel.record_tick(
+            tenant, rate=1.0, budget=1, admitted=3, inflight=0, due=0,
+            oldest_due_age_seconds=None, drain_eta_seconds=None, refused=2,
+        )  # fmt: skip
+    assert harness.points(tm.METRIC_ADMITTED) == {
+        mail | {("mode", "active")}: 4, TENANTS | {("mode", "active")}: 6,
+    }  # fmt: skip
+    assert harness.points(tm.METRIC_REFUSALS) == {mail: 2, TENANTS: 4}
+    tel.forget_destination("mail", everything=True)  # a counter never goes back
+    assert harness.points(tm.METRIC_ADMITTED)[mail | {("mode", "active")}] == 4
+
+
+def test_the_observer_sets_the_closed_gauges_as_they_change_and_again_after_forgetting(
+    harness: Harness,
+) -> None:
+    observer = TelemetryObserver(harness.telemetry, ManualClock())
+    mail = frozenset({("destination", "mail")})
+
+    def closed() -> tuple[dict[frozenset[tuple[str, object]], float], ...]:
+        return harness.points(tm.METRIC_PAUSED), harness.points(tm.METRIC_COOLDOWN)
+
+    def gauges(ledger: int, local: int, cooldown: int) -> tuple[object, ...]:
+        paused = {mail | {("scope", "ledger")}: ledger, mail | {("scope", "local")}: local}
+        return paused, {mail: cooldown}
+
+    observer.tick_completed(TickResult(destination="mail", skipped="paused"))
+    assert closed() == gauges(1, 0, 0)
+    observer.tick_completed(TickResult(destination="mail", skipped="paused"))
+    assert closed() == gauges(1, 0, 0)
+    observer.tick_completed(TickResult(destination="mail", rate=2.0, budget=2))
+    assert closed() == gauges(0, 0, 0)
+    observer.tick_completed(TickResult(destination="mail", skipped="cooldown"))
+    assert closed() == gauges(0, 0, 1)
+    observer.forget("mail")
+    assert closed() == ({}, {})
+    observer.tick_completed(TickResult(destination="mail", skipped="cooldown"))
+    assert closed() == gauges(0, 0, 1)  # set again, though it did not change meanwhile
