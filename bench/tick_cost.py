@@ -29,7 +29,7 @@ from pacerd import ledger
 from pacerd.admission import TickResult
 from pacerd.clock import SystemClock
 from pacerd.observer import TelemetryObserver
-from pacerd.pacer import PacerState
+from pacerd.pacer import Demand, OutcomeWindow, PacerState, PacingParams, initial_state, plan_tick
 from pacerd.telemetry import setup_telemetry
 
 if TYPE_CHECKING:
@@ -79,6 +79,18 @@ def main() -> None:
         for result in results:
             observer.tick_completed(result)
 
+    params = PacingParams(initial_rate=2.0, max_rate=2.0, tick_seconds=1.0)
+    window, demand = OutcomeWindow(accepted=2, accepted_fresh=2), Demand(budget=2, admitted=2)
+    states = [initial_state(params, now=0.0) for _ in names]
+    clock = [0.0]
+
+    def plans() -> None:
+        clock[0] += 1.0
+        for i, before in enumerate(states):
+            states[i], _ = plan_tick(
+                before, window, demand, now=clock[0], inflight=2, params=params
+            )
+
     state = PacerState(rate=2.0, ceiling=2.5, delivered=1.9, round_trip_s=0.3)
     saved = json.dumps({"pacer": state.to_dict(), "tick": {"rate": 2.0, "budget": 2}})
     now = dt.datetime.now(dt.UTC)
@@ -99,6 +111,7 @@ def main() -> None:
             json.dumps({"pacer": state.to_dict(), "tick": {"rate": state.rate, "budget": 2}})
 
     for label, run in (
+        ("pacer's plan (plan_tick)", plans),
         ("tick telemetry (tick_completed)", telemetry_ticks),
         ("row read (as the tick's read returns it)", reads),
         ("state saved (to_dict + JSON)", saves),

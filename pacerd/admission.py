@@ -530,7 +530,7 @@ class DestinationAdmission:
             state = self._load_state(row, now)
             if self.anchor is not None:
                 tick = cfg.params.tick_seconds
-                state = replace(state, deadline=pacer.join_schedule(self.anchor, now, tick))
+                state = state._replace(deadline=pacer.join_schedule(self.anchor, now, tick))
         previous, self._previous_row = self._previous_row, row
         since = self._window_since if previous is not None else state.last_tick
         self._window_since = now

@@ -8,7 +8,6 @@ watched) is the control."""
 from __future__ import annotations
 
 import heapq
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import anyio
@@ -155,7 +154,7 @@ async def test_a_ramping_tick_braked_measures_the_rate_it_releases_at_after_the_
     ) -> pacer.PacerState | None:
         cut = brake(state, window, params, **kw)
         if cut is not None and not calls:
-            cut = replace(cut, rate=1.6 * cut.rate)
+            cut = cut._replace(rate=1.6 * cut.rate)
         calls.append((state.rate, kw["sent"], None if cut is None else cut.rate))
         return cut
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
 import subprocess
 import sys
-from dataclasses import replace
+from typing import Any, TypeVar, cast
 
 import pytest
 from hypothesis import example, given, settings
@@ -31,6 +32,15 @@ from pacerd.pacer import (
 P = PacingParams()
 T0 = 1000.0
 EMPTY = OutcomeWindow()
+_V = TypeVar("_V")
+
+
+def replace(value: _V, **changes: Any) -> _V:
+    """A copy of ``value`` with ``changes``: ``_replace`` of a ``PacerState``
+    (a named tuple), ``dataclasses.replace`` of the parameters and windows."""
+    if isinstance(value, PacerState):
+        return cast("_V", value._replace(**changes))
+    return cast("_V", dataclasses.replace(cast("Any", value), **changes))
 
 
 def full(budget: int) -> Demand:
