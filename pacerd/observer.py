@@ -54,14 +54,11 @@ class TelemetryObserver:
         self.releases = ReleaseTimes(clock, horizon_seconds=offer_seconds)
         self.last: dict[str, TickResult] = {}
         self.due: dict[str, tuple[int, float | None]] = {}
-        # the (paused, paused locally, cooling down) gauges last set, per destination
-        self.closed: dict[str, tuple[bool, bool, bool]] = {}
 
     def forget(self, destination: str) -> None:
         """A destination parked or no longer led: its figures leave memory."""
         self.last.pop(destination, None)
         self.due.pop(destination, None)
-        self.closed.pop(destination, None)
         if self.telemetry is not None:
             self.telemetry.forget_destination(destination)
 
@@ -134,18 +131,12 @@ class TelemetryObserver:
                 duration_seconds=result.planning_seconds,
                 shadow=result.shadow,
             )
-            closed = (
-                result.skipped == "paused",
-                result.skipped == "paused_local",
-                result.skipped == "cooldown",
+            self.telemetry.record_admission_state(
+                result.destination,
+                paused=result.skipped == "paused",
+                paused_locally=result.skipped == "paused_local",
+                cooldown=result.skipped == "cooldown",
             )
-            if self.closed.get(result.destination) != closed:  # set again only when changed
-                self.closed[result.destination] = closed
-                paused, paused_locally, cooldown = closed
-                self.telemetry.record_admission_state(
-                    result.destination, paused=paused, paused_locally=paused_locally,
-                    cooldown=cooldown,
-                )  # fmt: skip
             self.telemetry.record_publish(
                 result.destination, nacked=result.nacked, returned=result.returned,
                 timeouts=result.confirm_timeouts,

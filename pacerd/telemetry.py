@@ -672,6 +672,8 @@ class Telemetry:
 
         self.rate = gauge(METRIC_RATE, "{job}/s", "Admission rate per destination")
         self.admitted, self.refusals = Totals(), Totals()  # added to by every tick
+        # the (paused, paused locally, cooling down) gauges last set, per destination
+        self._admission_states: dict[str, tuple[bool, bool, bool]] = {}
         meter.create_observable_counter(
             METRIC_ADMITTED, [self.admitted.observe], "{job}", "Jobs admitted"
         )
@@ -996,7 +998,12 @@ class Telemetry:
     def record_admission_state(
         self, destination: str, *, paused: bool, paused_locally: bool, cooldown: bool
     ) -> None:
-        """Why the last tick admitted nothing, if it was paused or cooling down."""
+        """Why the last tick admitted nothing, if it was paused or cooling
+        down. Every tick says it; the gauges are set only when it changed."""
+        closed = (paused, paused_locally, cooldown)
+        if self._admission_states.get(destination) == closed:
+            return
+        self._admission_states[destination] = closed
         self.latest.set_for(destination, [
             (METRIC_PAUSED, int(paused), {"scope": "ledger"}),
             (METRIC_PAUSED, int(paused_locally), {"scope": "local"}),
@@ -1027,6 +1034,7 @@ class Telemetry:
         the destination is gone or idle, and nothing of it is kept."""
         keep = () if everything else (METRIC_DEAD, METRIC_LEADER, METRIC_DESTINATIONS)
         self.latest.forget(destination, keep=keep)
+        self._admission_states.pop(destination, None)  # its closed gauges went: set them again
 
     def set_series(self, rule: SeriesRule) -> None:
         """Report each destination's series under ``rule(destination)`` from the

@@ -1084,3 +1084,9 @@ def test_the_observer_sets_the_closed_gauges_as_they_change_and_again_after_forg
     assert closed() == ({}, {})
     observer.tick_completed(TickResult(destination="mail", skipped="cooldown"))
     assert closed() == gauges(0, 0, 1)  # set again, though it did not change meanwhile
+    harness.telemetry.forget_destination("mail")  # however it is forgotten
+    assert closed() == ({}, {})
+    harness.telemetry.record_admission_state(
+        "mail", paused=False, paused_locally=False, cooldown=True
+    )
+    assert closed() == gauges(0, 0, 1)
