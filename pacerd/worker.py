@@ -85,6 +85,7 @@ from pacerd.publisher import (
     OUTCOMES_EXCHANGE,
     Broker,
     _outcome,
+    confirming_channel,
     message_id,
     ready_queue_name,
     write_batch,
@@ -541,7 +542,7 @@ class Worker:
                 channel = await connection.channel(publisher_confirms=False)
                 for each in (outcomes, channel):
                     each.close_callbacks.add(lambda *_: lost.set())
-                publish = await outcomes.get_underlay_channel()
+                publish = await confirming_channel(outcomes)
                 consume = await channel.get_underlay_channel()
                 if (
                     self.outcomes_exchange

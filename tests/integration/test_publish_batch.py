@@ -10,6 +10,7 @@ import asyncio
 import datetime as dt
 import json
 import uuid
+from collections import Counter
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -99,6 +100,44 @@ async def test_other_publishes_on_the_channel_keep_their_own_confirms(amqp_url: 
         assert len(await _drain(amqp_url, destination)) == 3 * 200 + 50
         await asyncio.sleep(0.1)
         assert _tables(broker) == (0, 0)
+    finally:
+        await broker.close()
+
+
+async def test_each_message_is_settled_once_however_the_broker_groups_its_acks(
+    amqp_url: str,
+) -> None:
+    # Batches written at once are acknowledged in steps (acks with
+    # ``multiple`` set, several in one read of the socket); unroutable
+    # messages among them are returned before their ack, which moves their
+    # entry in aiormq's table. Each message is settled exactly once.
+    broker, destination = await _broker(amqp_url)
+    try:
+        underlay: Any = await broker._require_underlay()
+        settled: Counter[int] = Counter()
+        settle = underlay._confirm_delivery
+
+        def counting(tag: int, frame: object) -> None:
+            settled[tag] += 1
+            settle(tag, frame)
+
+        underlay._confirm_delivery = counting
+        batches = [
+            [_job(f"s{b}-{i}", "batch-nowhere" if i % 37 == 5 else destination) for i in range(100)]
+            for b in range(20)
+        ]
+        results = await asyncio.gather(
+            *(broker.publish_many(batch, [{}] * len(batch)) for batch in batches)
+        )
+        for batch, got in zip(batches, results, strict=True):
+            for job, result in zip(batch, got, strict=True):
+                assert (result is None) == (job.destination == destination), (job, result)
+        await asyncio.sleep(0.1)  # the done callbacks run
+        assert len(settled) == 2000
+        assert max(settled.values()) == 1, settled.most_common(3)
+        assert _tables(broker) == (0, 0)
+        routable = sum(job.destination == destination for batch in batches for job in batch)
+        assert len(await _drain(amqp_url, destination)) == routable
     finally:
         await broker.close()
 
