@@ -11,6 +11,8 @@ in-memory fakes.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import zlib
 from collections import deque
@@ -27,13 +29,14 @@ from pacerd.errors import BrokerUnavailable, LedgerError, PacerdError, PublishTi
 
 if TYPE_CHECKING:
     import datetime as dt
-    from collections.abc import Awaitable, Callable, Mapping, Sequence
+    from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
     from contextlib import AbstractContextManager
 
     from pacerd.clock import Clock
     from pacerd.errors import PublishError
     from pacerd.models import ClaimedJob, DestinationRow, JobRef
     from pacerd.publisher import Publisher
+    from pacerd.releases import ReleaseSchedule
 
     PlanFn = Callable[..., tuple[pacer.PacerState, pacer.TickPlan]]
     """A control law: ``pacer.plan_tick``'s signature (the bench swaps in a baseline)."""
@@ -214,6 +217,7 @@ class _Publishing:
     cut_released: int = 0  # claims a mid-tick cut gave back unsent
     marking: bool = False  # a mark statement in flight (one at a time)
     mark_at: float = 0.0  # no mark from a slice before this (MARKS_PER_TICK a tick)
+    flushing: anyio.Lock = field(default_factory=anyio.Lock)  # one mark statement at a time
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -307,6 +311,106 @@ class _Slices:
                     await self._more.wait()
                 finally:
                     self._idle -= 1
+
+
+class ScheduledTick:
+    """A tick whose release slices ``ReleaseSchedule`` publishes
+    (``releases.py``): each slice's stop and closed checks, its span, its
+    confirms sorted and marked, as the tick's own loop would do them.
+    ``done`` is set once every slice is settled: published and sorted, or
+    not sent (the tick stopped or closed meanwhile, or lost the broker:
+    every slice after that is not sent either)."""
+
+    def __init__(
+        self,
+        admission: DestinationAdmission,
+        outcome: _Publishing,
+        slices: Sequence[Sequence[ClaimedJob]],
+        *,
+        started: float,
+    ) -> None:
+        self.admission, self.outcome, self.started = admission, outcome, started
+        self.pending = dict(enumerate(slices))  # not yet taken by a release
+        self.flying: dict[int, Sequence[ClaimedJob]] = {}  # published, awaiting confirms
+        self.done = anyio.Event()
+        self.next_check = started  # the first release looks: the claim took time
+        # the tick's task's context (its tick span): each slice's publish span
+        # is a child of it, as when the tick's own tasks published
+        self.context = contextvars.copy_context()
+        if not self.pending:
+            self.done.set()
+
+    async def may_release(self, index: int) -> bool:
+        if index not in self.pending:
+            return False  # ended early, or the tick's task left
+        admission, outcome = self.admission, self.outcome
+        now = admission.clock.monotonic()
+        if now >= self.next_check and not outcome.broker_down:
+            self.next_check = now + CLOSED_CHECK_SECONDS
+            outcome.closed = await admission._closed_meanwhile()
+            if index not in self.pending:
+                return False
+        stopped = admission.stop is not None and admission.stop.is_set()
+        if outcome.closed or stopped or outcome.broker_down:
+            if not outcome.broker_down:
+                outcome.closed_after = admission.clock.monotonic() - self.started
+                outcome.stopped = not outcome.closed
+            self._send_no_more()  # this slice and every later one
+            return False
+        self.flying[index] = self.pending.pop(index)
+        return True
+
+    @contextlib.contextmanager
+    def publish_span(self, index: int) -> Iterator[Mapping[str, str]]:
+        span = self.admission._publish_context(self.flying[index])
+        headers = self.context.run(span.__enter__)
+        try:
+            yield headers
+        except BaseException as exc:
+            if not self.context.run(span.__exit__, type(exc), exc, exc.__traceback__):
+                raise
+        else:
+            self.context.run(span.__exit__, None, None, None)
+
+    def published(self, index: int, results: Sequence[PublishError | None]) -> None:
+        group = self.flying.pop(index, None)
+        if group is None:
+            return  # the tick's task left meanwhile: its jobs were released
+        self.admission._sort_results(group, results, self.outcome)
+        outcome = self.outcome
+        if outcome.broker_down:
+            self._send_no_more()
+        if not outcome.marking and self.admission.clock.monotonic() >= outcome.mark_at:
+            releases = self.admission.releases
+            assert releases is not None
+            releases.start_soon(self.admission._mark_when_due, outcome)
+        self._check_done()
+
+    def lost(self, index: int) -> None:
+        group = self.flying.pop(index, None)
+        if group is not None:
+            self.outcome.failed.extend(job.ref for job in group)
+        self._check_done()
+
+    def leave(self) -> None:
+        """The tick's task leaves (cancelled: its leadership lost, or the
+        grace ended): every slice not settled is not sent, or is sent and
+        released anyway, as a cancelled slice task's; none goes out later."""
+        for group in (*self.pending.values(), *self.flying.values()):
+            self.outcome.failed.extend(job.ref for job in group)
+        self.pending.clear()
+        self.flying.clear()
+        self.done.set()
+
+    def _send_no_more(self) -> None:
+        for group in self.pending.values():
+            self.outcome.failed.extend(job.ref for job in group)
+        self.pending.clear()
+        self._check_done()
+
+    def _check_done(self) -> None:
+        if not self.pending and not self.flying:
+            self.done.set()
 
 
 class _Claims:
@@ -427,6 +531,7 @@ class DestinationAdmission:
         is_paused_locally: Callable[[], bool] = lambda: False,
         law: PlanFn = pacer.plan_tick,
         anchor: float | None = None,
+        releases: ReleaseSchedule | None = None,
     ) -> None:
         self.ledger = ledger
         self.publisher = publisher
@@ -438,6 +543,9 @@ class DestinationAdmission:
         # Ticks fall on ``anchor + k * tick_seconds`` (the tick loop's schedule,
         # shared by every destination) rather than on the first tick's time.
         self.anchor = anchor
+        # Where the slices of a tick planned whole at its start are published
+        # (the tick loop's; None: every tick publishes its own)
+        self.releases = releases
         self.state: pacer.PacerState | None = None
         self.next_deadline: float | None = None  # the last plan's, for run_destination
         self._previous_row: DestinationRow | None = None
@@ -769,11 +877,20 @@ class DestinationAdmission:
             self.state, params, inflight=inflight
         )
         clean = self._previous_row if watched else None
+        outcome.mark_at = self.clock.monotonic() + tick / MARKS_PER_TICK
+        releases = self.releases
+        if (
+            releases is not None
+            and releases.running
+            and clean is None
+            and claims.done
+            and len(claims.jobs) <= MAX_UNCONFIRMED
+        ):  # its slices are known now, and no brake reshapes them
+            return await self._publish_scheduled(releases, claims, slices, outcome, started)
         clean_at = self._window_since  # when ``clean`` was read
         next_brake = started + BRAKE_CHECK_SECONDS
         next_check = started  # the first release looks: the claim and the shift took time
         room = _Room(MAX_UNCONFIRMED)
-        outcome.mark_at = self.clock.monotonic() + tick / MARKS_PER_TICK
         sent = 0  # claims.jobs[:sent] went to a slice (which settles them)
         earlier = 0  # jobs claimed before a mid-tick cut claimed again
         publishing = _Slices(partial(self._publish_slice, outcome=outcome, room=room))
@@ -837,20 +954,51 @@ class DestinationAdmission:
             outcome.claimed = earlier + len(claims.jobs)
             outcome.failed.extend(job.ref for job in claims.jobs[sent:])
             outcome.failed.extend(publishing.unsent())
-            with anyio.CancelScope(shield=True):
-                await self._flush_confirmed(outcome, final=True)
-                if outcome.failed:
-                    reason = (
-                        "broker_unavailable"
-                        if outcome.broker_down
-                        else "shutdown"
-                        if outcome.stopped
-                        else "destination_closed"
-                        if outcome.closed
-                        else "publish_failed"
-                    )
-                    await self.ledger.release_claims(outcome.failed, reason=reason)
+            await self._end_releases(outcome)
         return outcome
+
+    async def _publish_scheduled(
+        self,
+        releases: ReleaseSchedule,
+        claims: _Claims,
+        slices: Sequence[tuple[float, int]],
+        outcome: _Publishing,
+        started: float,
+    ) -> _Publishing:
+        """``_publish_spread`` for a tick claimed whole and not watched by a
+        brake: its slices go to the tick loop's release schedule, and this
+        task wakes once, when they are all settled (``ScheduledTick``)."""
+        points: list[tuple[float, Sequence[ClaimedJob]]] = []
+        begin = 0
+        for at, end in slices:
+            points.append((started + at, claims.jobs[begin:end]))
+            begin = end
+        tick = ScheduledTick(self, outcome, [group for _, group in points], started=started)
+        releases.add(tick, points)
+        try:
+            await tick.done.wait()
+        finally:
+            tick.leave()  # cancelled: nothing of it goes out later
+            outcome.claimed = len(claims.jobs)
+            await self._end_releases(outcome)
+        return outcome
+
+    async def _end_releases(self, outcome: _Publishing) -> None:
+        """A tick's releases are over: marks what was confirmed and releases
+        what was not sent (shielded: a cancelled tick too)."""
+        with anyio.CancelScope(shield=True):
+            await self._flush_confirmed(outcome, final=True)
+            if outcome.failed:
+                reason = (
+                    "broker_unavailable"
+                    if outcome.broker_down
+                    else "shutdown"
+                    if outcome.stopped
+                    else "destination_closed"
+                    if outcome.closed
+                    else "publish_failed"
+                )
+                await self.ledger.release_claims(outcome.failed, reason=reason)
 
     async def _claim_again(
         self, claims: _Claims, sent: int, limit: int, live_limit: int
@@ -933,16 +1081,31 @@ class DestinationAdmission:
             if outcome.broker_down:
                 outcome.failed.extend(job.ref for job in group)
                 return
-            if self.observer is None:
-                results = await self.publisher.publish_many(group, [{}] * len(group))
-            else:
-                with self.observer.publish_span(self.config.destination, group) as headers:
-                    results = await self.publisher.publish_many(group, [headers] * len(group))
+            with self._publish_context(group) as headers:
+                results = await self.publisher.publish_many(group, [headers] * len(group))
         except BaseException:
             outcome.failed.extend(job.ref for job in group)
             raise
         finally:
             room.give(len(group))
+        self._sort_results(group, results, outcome)
+        await self._mark_when_due(outcome)
+
+    def _publish_context(
+        self, group: Sequence[ClaimedJob]
+    ) -> AbstractContextManager[Mapping[str, str]]:
+        """Around the publish of one release slice: the headers its messages carry."""
+        if self.observer is None:
+            return nullcontext({})
+        return self.observer.publish_span(self.config.destination, group)
+
+    def _sort_results(
+        self,
+        group: Sequence[ClaimedJob],
+        results: Sequence[PublishError | None],
+        outcome: _Publishing,
+    ) -> None:
+        """Sorts one release slice's jobs into confirmed and failed."""
         first_error: PublishError | None = None
         rejected = 0
         for job, error in zip(group, results, strict=True):
@@ -969,7 +1132,6 @@ class DestinationAdmission:
                 count=rejected,
                 error=str(first_error),
             )
-        await self._mark_when_due(outcome)
 
     async def _mark_when_due(self, outcome: _Publishing) -> None:
         """After a slice's confirms: marks what is confirmed and not yet
@@ -1011,18 +1173,19 @@ class DestinationAdmission:
         """Marks the confirmations received since the last flush offered. If
         the ledger fails here, the claims stay leased and the reconciler
         returns them when the claim lease expires, without spending an attempt."""
-        fresh = outcome.confirmed[outcome.marked :]
-        if not fresh:
-            return
-        try:
-            with self._span("mark_offered", self.config.destination, count=len(fresh)):
-                await self.ledger.mark_offered(fresh, offer_seconds=self.config.offer_seconds)
-        except LedgerError as exc:
-            log.warning("mark_offered_failed", count=len(fresh), error=str(exc))
-            if final:
-                raise
-            return
-        outcome.marked += len(fresh)
+        async with outcome.flushing:  # a mark after a scheduled slice may still run
+            fresh = outcome.confirmed[outcome.marked :]
+            if not fresh:
+                return
+            try:
+                with self._span("mark_offered", self.config.destination, count=len(fresh)):
+                    await self.ledger.mark_offered(fresh, offer_seconds=self.config.offer_seconds)
+            except LedgerError as exc:
+                log.warning("mark_offered_failed", count=len(fresh), error=str(exc))
+                if final:
+                    raise
+                return
+            outcome.marked += len(fresh)
 
 
 async def run_destination(

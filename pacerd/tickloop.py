@@ -7,7 +7,8 @@ it, and nothing for the others.
     each active destination, on the loop's schedule:
                 read ─► pacer (pure) ─► claim   (every due one together: planner.py)
                 ─► publish across the tick ─► mark ─► save
-                        (statements and broker writes shared: batching.py)
+                        (statements and broker writes shared: batching.py;
+                         the slices of ticks planned whole: releases.py)
     quiet for QUIET_TICKS ticks (nothing due, nothing in flight, no new
     outcomes): parked in the ledger, its task and memory gone
     the ledger's notices (notices.py): a destination resumed ticks at once
@@ -41,6 +42,7 @@ from pacerd.admission import DestinationAdmission, TickResult, run_destination, 
 from pacerd.batching import SharedLedger, SharedPublisher
 from pacerd.errors import PacerdError
 from pacerd.planner import TickPlanner
+from pacerd.releases import ReleaseSchedule
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -109,6 +111,7 @@ class TickLoop:
         self.broker = broker
         self.publisher = SharedPublisher(broker)  # the admissions' releases, written together
         self.planner = TickPlanner(self.shared, clock=clock)  # their ticks, planned together
+        self.releases = ReleaseSchedule(self.publisher, clock)  # their slices, released together
         self.clock = clock
         self.leadership = leadership
         self.admission_config = admission_config
@@ -154,6 +157,7 @@ class TickLoop:
             tg.start_soon(self._cancel_lost)
             tg.start_soon(grace)
             tg.start_soon(self.planner.run)
+            await tg.start(self.releases.run)
             if self.notices is not None:
                 await tg.start(self.notices.run)
             task_status.started()
@@ -218,6 +222,7 @@ class TickLoop:
             observer=self.observer,
             is_paused_locally=self.is_paused_locally,
             anchor=grid,
+            releases=self.releases,
         )
         entry = _Active(admission=admission, partition=partition, last_pass=self.clock.monotonic())
         self.active[destination] = entry
