@@ -217,7 +217,6 @@ class _Publishing:
     cut_released: int = 0  # claims a mid-tick cut gave back unsent
     marking: bool = False  # a mark statement in flight (one at a time)
     mark_at: float = 0.0  # no mark from a slice before this (MARKS_PER_TICK a tick)
-    flushing: anyio.Lock = field(default_factory=anyio.Lock)  # one mark statement at a time
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -337,6 +336,7 @@ class ScheduledTick:
         # the tick's task's context (its tick span): each slice's publish span
         # is a child of it, as when the tick's own tasks published
         self.context = contextvars.copy_context()
+        self._mark: anyio.Event | None = None  # set when the last mark started here ended
         if not self.pending:
             self.done.set()
 
@@ -380,11 +380,27 @@ class ScheduledTick:
         outcome = self.outcome
         if outcome.broker_down:
             self._send_no_more()
-        if not outcome.marking and self.admission.clock.monotonic() >= outcome.mark_at:
+        idle = self._mark is None or self._mark.is_set()
+        if idle and self.admission.clock.monotonic() >= outcome.mark_at:
             releases = self.admission.releases
             assert releases is not None
-            releases.start_soon(self.admission._mark_when_due, outcome)
+            self._mark = anyio.Event()
+            releases.start_soon(partial(self._mark_offered, self._mark))
         self._check_done()
+
+    async def _mark_offered(self, ended: anyio.Event) -> None:
+        """A mark after a slice's confirms, in the schedule's task group
+        (off the release schedule, as a slice task's own mark)."""
+        try:
+            await self.admission._mark_when_due(self.outcome)
+        finally:
+            ended.set()
+
+    async def marks_settled(self) -> None:
+        """Until the mark started after a slice, if one runs, has ended: the
+        tick's last mark then takes what is left, never the same jobs twice."""
+        if self._mark is not None:
+            await self._mark.wait()
 
     def lost(self, index: int) -> None:
         group = self.flying.pop(index, None)
@@ -980,6 +996,8 @@ class DestinationAdmission:
         finally:
             tick.leave()  # cancelled: nothing of it goes out later
             outcome.claimed = len(claims.jobs)
+            with anyio.CancelScope(shield=True):
+                await tick.marks_settled()
             await self._end_releases(outcome)
         return outcome
 
@@ -1173,19 +1191,18 @@ class DestinationAdmission:
         """Marks the confirmations received since the last flush offered. If
         the ledger fails here, the claims stay leased and the reconciler
         returns them when the claim lease expires, without spending an attempt."""
-        async with outcome.flushing:  # a mark after a scheduled slice may still run
-            fresh = outcome.confirmed[outcome.marked :]
-            if not fresh:
-                return
-            try:
-                with self._span("mark_offered", self.config.destination, count=len(fresh)):
-                    await self.ledger.mark_offered(fresh, offer_seconds=self.config.offer_seconds)
-            except LedgerError as exc:
-                log.warning("mark_offered_failed", count=len(fresh), error=str(exc))
-                if final:
-                    raise
-                return
-            outcome.marked += len(fresh)
+        fresh = outcome.confirmed[outcome.marked :]
+        if not fresh:
+            return
+        try:
+            with self._span("mark_offered", self.config.destination, count=len(fresh)):
+                await self.ledger.mark_offered(fresh, offer_seconds=self.config.offer_seconds)
+        except LedgerError as exc:
+            log.warning("mark_offered_failed", count=len(fresh), error=str(exc))
+            if final:
+                raise
+            return
+        outcome.marked += len(fresh)
 
 
 async def run_destination(

@@ -34,7 +34,7 @@ import anyio
 from pacerd.admission import sleep_until_or_stop
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Callable, Coroutine, Mapping, Sequence
     from contextlib import AbstractContextManager
 
     from pacerd.clock import Clock
@@ -143,8 +143,8 @@ class ReleaseSchedule:
             tick.published(index, results[start : start + len(group)])
             start += len(group)
 
-    def start_soon(self, task: Any, *args: Any) -> None:
-        """Runs ``task(*args)`` in the schedule's task group (a tick's mark
+    def start_soon(self, task: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Runs ``task()`` in the schedule's task group (a tick's mark
         after a slice's confirms: off the release schedule)."""
         assert self._tg is not None
-        self._tg.start_soon(task, *args)
+        self._tg.start_soon(task)
