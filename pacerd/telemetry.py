@@ -488,6 +488,13 @@ def _attributes(values: _Attributes) -> dict[str, AttributeValue]:
 
 
 _SeriesKey = tuple[tuple[str, str], ...]
+
+
+def _series_key(attributes: Mapping[str, str]) -> _SeriesKey:
+    """A series' attributes as a key, whatever their order."""
+    return tuple(sorted(attributes.items()))
+
+
 SeriesRule = Callable[[str], tuple[str, str]]
 """Which attribute a destination's series are reported under: ``("destination",
 NAME)`` (its own series) or, say, ``("group", GROUP)`` (shared with the group's
@@ -540,7 +547,7 @@ class LatestValues:
             rest = {k: v for k, v in attributes.items() if k != "destination"}
             self.set_for(destination, [(name, value, rest)])
             return
-        key = tuple(sorted(attributes.items()))
+        key = _series_key(attributes)
         with self._lock:
             self._series.setdefault(name, {})[key] = value
 
@@ -560,7 +567,7 @@ class LatestValues:
 
     def discard(self, name: str, attributes: Mapping[str, str]) -> None:
         """Drops one series (its value is no longer known)."""
-        key = tuple(sorted(attributes.items()))
+        key = _series_key(attributes)
         with self._lock:
             self._series.get(name, {}).pop(key, None)
             owned = self._owned.get(attributes.get("destination", ""))
@@ -604,7 +611,7 @@ class LatestValues:
                 label, series_name = keys.get(destination) or per_destination(destination)
                 del attributes["destination"]
                 attributes[label] = series_name
-            reported = tuple(sorted(attributes.items()))
+            reported = _series_key(attributes)
             before = out.get(reported)
             if before is None:
                 out[reported] = value
@@ -626,7 +633,7 @@ class Totals:
         self._sums: dict[_SeriesKey, int] = {}
 
     def add(self, amount: int, attributes: Mapping[str, str]) -> None:
-        key = tuple(sorted(attributes.items()))
+        key = _series_key(attributes)
         with self._lock:
             self._sums[key] = self._sums.get(key, 0) + amount
 
