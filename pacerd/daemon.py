@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import anyio
 import structlog
 
+from pacerd import heap
 from pacerd import ledger as ledger_module
 from pacerd.clock import Clock, SystemClock
 from pacerd.config import instance_name
@@ -240,7 +241,8 @@ def main(cfg: Config, *, config_path: str | None, shadow: bool = False) -> int:
 
     async def run() -> int:
         # Built inside the event loop: the daemon's events belong to it.
-        return await Daemon(cfg, config_path=config_path, telemetry=telemetry, shadow=shadow).run()
+        daemon = Daemon(cfg, config_path=config_path, telemetry=telemetry, shadow=shadow)
+        return await heap.settled(daemon.run(), started=daemon.ready_event)
 
     try:
         return int(anyio.run(run, backend_options={"use_uvloop": True}))

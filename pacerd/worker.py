@@ -63,6 +63,7 @@ from opentelemetry.trace import SpanKind
 from pamqp.commands import Basic
 from pamqp.frame import marshal
 
+from pacerd import heap
 from pacerd.clock import Clock, SystemClock
 from pacerd.config import instance_name
 from pacerd.currency import CurrentCheck
@@ -832,6 +833,6 @@ async def _serve(worker: Worker) -> int:
                     worker.request_stop()
 
         tg.start_soon(on_signals)
-        await worker.run()
+        await worker.run(task_status=heap.SettleOnStart())
         tg.cancel_scope.cancel()
     return EX_OK
