@@ -43,6 +43,10 @@ The law, per destination:
   they measure (never compounding: it only moves up). A ladder's probe can
   make a window heavy too (its bursty refusals at a small bucket), with no
   capacity change in it: its bound is then near the capacity it found. When
+  that bound is at least the rate its last step began from (what the
+  ladder held clean a round trip before), the window measured the probe's
+  overshoot, not a capacity that fell: the rate is cut just under the bound
+  (never above the rate), as a mild cut would, not to the floor. When
   fewer than ``REFINE_MIN_OUTCOMES`` stale outcomes come before the first
   fresh ones (a round trip far shorter than the tick: the window already
   held them all), nothing refines such a floor: it regrows toward the bound
@@ -975,7 +979,13 @@ def _cut(
         # above what was sent, is a lower bound of its refill rate: refusals of
         # bursts reaching a small bucket do not compound cut after cut under it
         est = max(est, min(sent, state.delivered, accepted_rate))
-    target = p.decrease_factor * state.rate if heavy else est * (1.0 - p.decrease_margin)
+    # ... and when the window accepted at least the rate its last step began
+    # from, it measured that step's overshoot: cut just under it, no floor
+    overshoot = probe and est >= state.rate - state.ladder
+    if overshoot:
+        target = min(est, state.rate) * (1.0 - p.decrease_margin)
+    else:
+        target = p.decrease_factor * state.rate if heavy else est * (1.0 - p.decrease_margin)
     rate = min(state.rate, max(target, p.decrease_factor * state.rate))
     return _new_episode(
         state,

@@ -844,6 +844,26 @@ def test_a_probes_heavy_cut_left_unrefined_regrows_toward_its_bound_per_round_tr
     assert _clean_ticks(state, plan, 4) == pytest.approx(grown)
 
 
+def test_a_probes_heavy_window_that_accepted_its_last_step_cuts_just_under_it() -> None:
+    # a ladder over a drop's ceiling of 30/s: 79/s held clean, then a step to
+    # 98.6/s met a small bucket's bursts (14 of 80 refused, a heavy share);
+    # what the window accepted (81/s) is above where the last step began:
+    # an overshoot of the capacity it found, not a capacity that fell, so no
+    # floor at a quarter of the rate (a real deep cut lost seconds there)
+    probing = replace(at_ceiling(rate=98.6, ceiling=30.0), ladder=19.7)
+    window = OutcomeWindow(accepted=66, refused=14, accepted_fresh=66, refused_fresh=14)
+    assert pacer._heavy(14, 80, P)
+    state, _ = run(probing, window, full(99))
+    est = 98.6 * 66 / 80
+    assert est >= 98.6 - 19.7
+    assert state.rate == pytest.approx(est * (1.0 - P.decrease_margin))
+    assert state.ceiling == pytest.approx(est)
+    # one that accepted less than where its last step began fell to the floor as before
+    low = OutcomeWindow(accepted=50, refused=30, accepted_fresh=50, refused_fresh=30)
+    state, _ = run(probing, low, full(99))
+    assert state.rate == pytest.approx(P.decrease_factor * 98.6)
+
+
 def test_a_regrowths_step_refused_heavily_regrows_again_toward_its_new_bound() -> None:
     # regrowing from a probe's cut, a step overshot the capacity: not a drop
     # (the rate had just been raised), so the new floor regrows too instead
