@@ -37,6 +37,8 @@ from pacerd.supervisor import Supervisor
 from pacerd.tickloop import TickLoop
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from pacerd.config import Config
     from pacerd.telemetry import Telemetry
 
@@ -56,8 +58,9 @@ class Daemon:
         notifier: Notifier | None = None,
         shadow: bool = False,
         signals: bool = True,
+        on_ready: Callable[[], None] = lambda: None,  # `pacerd run`: heap.settle
     ) -> None:
-        self.cfg = cfg
+        self.cfg, self.on_ready = cfg, on_ready
         self.signals = signals
         self.config_path = config_path
         self.clock = clock or SystemClock()
@@ -73,18 +76,15 @@ class Daemon:
         self._cancel_scope: anyio.CancelScope | None = None
         self.ledger: ledger_module.Ledger | None = None
         self.broker = Broker(
-            url=cfg.broker.url,
-            queue_type=cfg.broker.queue_type,
+            url=cfg.broker.url, queue_type=cfg.broker.queue_type, name=f"pacerd {self.instance}",
             publish_timeout_seconds=cfg.broker.publish_timeout_seconds,
             declare_queues=cfg.broker.declare_queues,
-            name=f"pacerd {self.instance}",
             route=lambda destination: self.cfg.route_for(destination).routing_key,
-        )
+        )  # fmt: skip
         self.locks = LeaderLocks(cfg.database.dsn, instance=self.instance, clock=self.clock)
         self.leadership: Leadership | None = None  # once the ledger says how many partitions
         self.tickloop: TickLoop | None = None
         self.supervisor = Supervisor(self)
-        self.ready = False
 
     # -- SignalTarget ----------------------------------------------------------
 
@@ -211,8 +211,8 @@ class Daemon:
                 await tg.start(self.supervisor.run)
                 await tg.start(tickloop.run)
                 tg.start_soon(due_metrics, ledger, self, self.observer)
-                self.ready = True
                 self.ready_event.set()
+                self.on_ready()
                 self.notifier.ready(f"running as {self.instance}")
                 log.info("pacerd_ready", instance=self.instance)
                 await self.stop_requested.wait()
@@ -240,9 +240,9 @@ def main(cfg: Config, *, config_path: str | None, shadow: bool = False) -> int:
     )  # fmt: skip
 
     async def run() -> int:
-        # Built inside the event loop: the daemon's events belong to it.
-        daemon = Daemon(cfg, config_path=config_path, telemetry=telemetry, shadow=shadow)
-        return await heap.settled(daemon.run(), started=daemon.ready_event)
+        return await Daemon(  # built inside the event loop: its events belong to it
+            cfg, config_path=config_path, telemetry=telemetry, shadow=shadow, on_ready=heap.settle
+        ).run()
 
     try:
         return int(anyio.run(run, backend_options={"use_uvloop": True}))

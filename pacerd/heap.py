@@ -19,21 +19,19 @@ generation stays small. A young collection walks about as many objects as
 its threshold (10 ms at 20,000 on the benchmark's machine, 40 ms at
 50,000), which bounds the pause it adds. Reference counting still frees at
 once whatever is not in a cycle; cycles are still collected, less often.
-Only the processes' entry points (``pacerd run``, ``pacerd worker``) settle:
-an application embedding the worker library keeps its own settings.
+Only the processes' entry points settle (``pacerd run`` through the
+daemon's ``on_ready``, ``pacerd worker`` through :class:`SettleOnStart`):
+an application embedding the worker library, or a daemon built in-process,
+keeps its own settings. It logs ``heap_settled`` with what it froze.
 """
 
 from __future__ import annotations
 
 import gc
-from typing import TYPE_CHECKING, TypeVar
 
-import anyio
+import structlog
 
-if TYPE_CHECKING:
-    from collections.abc import Awaitable
-
-T = TypeVar("T")
+log = structlog.get_logger("pacerd.heap")
 
 YOUNG_THRESHOLD = 20_000  # net container allocations between two young collections
 
@@ -45,21 +43,7 @@ def settle() -> None:
     gc.freeze()
     _, middle, oldest = gc.get_threshold()
     gc.set_threshold(YOUNG_THRESHOLD, middle, oldest)
-
-
-async def settled(main: Awaitable[T], *, started: anyio.Event) -> T:
-    """``pacerd run``: awaits ``main``, and :func:`settle` once ``started`` is
-    set (the daemon is ready)."""
-    async with anyio.create_task_group() as tg:
-
-        async def settle_once_started() -> None:
-            await started.wait()
-            settle()
-
-        tg.start_soon(settle_once_started)
-        result = await main
-        tg.cancel_scope.cancel()
-    return result
+    log.info("heap_settled", frozen=gc.get_freeze_count(), thresholds=list(gc.get_threshold()))
 
 
 class SettleOnStart:

@@ -178,7 +178,7 @@ class Supervisor:
                 task_status.started()
                 started = True
             now = self.d.clock.monotonic()
-            if self.d.ready and now >= self._next_watchdog and self.healthy():
+            if self.d.ready_event.is_set() and now >= self._next_watchdog and self.healthy():
                 self.d.notifier.watchdog()
                 self._next_watchdog = now + self._watchdog_every
             deadline = max(deadline + self.tick_seconds(), self.d.clock.monotonic())
@@ -222,7 +222,7 @@ class Supervisor:
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """Ledger and broker reachable (the supervisor pass reads the ledger every tick)."""
         ledger = self.d.ledger is not None and self.ledger_error is None
-        ok = self.d.ready and self.d.broker.connected and ledger
+        ok = self.d.ready_event.is_set() and self.d.broker.connected and ledger
         data: dict[str, Any] = {"broker": self.d.broker.connected, "ledger": ledger}
         if self.ledger_error is not None:
             data["ledger_error"] = self.ledger_error

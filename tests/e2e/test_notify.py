@@ -83,6 +83,10 @@ async def test_ready_status_watchdog_and_stopping(
     try:
         with Daemon(config, tmp_path / "log", env={"NOTIFY_SOCKET": str(notify.path)}) as daemon:
             ready_at = await notify.wait_for("READY=1", within=30)
+            # started, a `pacerd run` process freezes its start-up heap (pacerd.heap)
+            settled = await daemon.wait_event("heap_settled", within=10)
+            assert settled["frozen"] > 0
+            assert settled["thresholds"][0] == 20_000
             await notify.wait_for("WATCHDOG=1", within=10)
             lines = notify.drain()
             assert lines.index("READY=1") < next(

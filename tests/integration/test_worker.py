@@ -418,6 +418,8 @@ async def test_pacerd_worker_process_stops_on_sigterm(
             if process.returncode is None:
                 process.kill()
     assert any(b"worker_signal" in line and b"SIGTERM" in line for line in lines)
+    # once consuming, the `pacerd worker` process froze its start-up heap (pacerd.heap)
+    assert any(b"heap_settled" in line for line in lines), b"".join(lines).decode()
     # every line names the instance, as the daemon's do
     logged = [json.loads(line) for line in lines if line.startswith(b"{")]
     assert logged

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 from typing import TYPE_CHECKING
 
-import anyio
 import pytest
 
 from pacerd import heap
@@ -46,36 +45,6 @@ def test_settle_freezes_what_exists_and_raises_only_the_young_threshold() -> Non
     assert not any(o is survivor for o in gc.get_objects())  # no collection walks it again
     assert gc.get_threshold() == (heap.YOUNG_THRESHOLD, middle, oldest)
     assert heap.YOUNG_THRESHOLD > 700  # CPython's default, which promotes what is in flight
-
-
-def test_settled_settles_once_the_process_has_started(settles: list[int]) -> None:
-    async def main() -> None:
-        started = anyio.Event()
-
-        async def process() -> str:
-            await anyio.sleep(0.01)
-            assert settles == []  # not before it started
-            started.set()
-            await anyio.sleep(0.01)
-            return "done"
-
-        assert await heap.settled(process(), started=started) == "done"
-
-    anyio.run(main)
-    assert settles == [1]
-
-
-def test_settled_leaves_the_heap_alone_when_the_process_never_started(
-    settles: list[int],
-) -> None:
-    async def main() -> None:
-        async def process() -> int:
-            return 69  # e.g. the ledger is not migrated: it exits before it is ready
-
-        assert await heap.settled(process(), started=anyio.Event()) == 69
-
-    anyio.run(main)
-    assert settles == []
 
 
 def test_a_worker_settles_when_it_reports_it_has_started(settles: list[int]) -> None:
