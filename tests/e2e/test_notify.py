@@ -16,6 +16,8 @@ import httpx
 import pytest
 from support.daemon import Daemon, free_port
 
+from pacerd import heap
+
 if TYPE_CHECKING:
     from pathlib import Path
 
@@ -86,7 +88,7 @@ async def test_ready_status_watchdog_and_stopping(
             # started, a `pacerd run` process freezes its start-up heap (pacerd.heap)
             settled = await daemon.wait_event("heap_settled", within=10)
             assert settled["frozen"] > 0
-            assert settled["thresholds"][0] == 20_000
+            assert settled["thresholds"][0] == heap.YOUNG_THRESHOLD
             await notify.wait_for("WATCHDOG=1", within=10)
             lines = notify.drain()
             assert lines.index("READY=1") < next(
