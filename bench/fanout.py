@@ -43,11 +43,18 @@ Sections (``--only``), each on a database of its own (created, migrated with
   the machine is printed beside it: the services are shared, so that figure
   holds other people's work too and is not judged. pacerd's RSS (VmRSS) at
   the end: target <= 200 MB (at 10,000 known).
-* ``statements``: one daemon and the workers; for each level L of
-  ``--levels`` (default 10, 1,000, 10,000, at most N) L destinations are kept
-  active (a backlog that outlasts the window, the others' leftovers
-  cancelled) and, after ``--settle`` seconds, the ledger transactions over
-  ``--ticks`` ticks are divided by the ticks. What is counted: the delta of
+* ``statements``: the workers, and for each level L of ``--levels``
+  (default 10, 1,000, 10,000, at most N) a daemon of its own; L destinations
+  are kept active (a backlog that outlasts the window, the others' leftovers
+  cancelled) and, once the level's daemon leads every partition and
+  ``--settle`` seconds passed, the ledger transactions over ``--ticks``
+  ticks are divided by the ticks. Each destination is paced at ``--rate``
+  whatever the level: 10,000 at 2/s ask for 20,000 jobs a second, about ten
+  times what one instance moves on two cores, so that level measures an
+  overloaded instance (ticks of several seconds, fewer of them a second).
+  ``--level-jobs J`` asks every level for the same work instead: J jobs a
+  second in all, shared evenly by its destinations (``--level-jobs 2000``:
+  10 at 200/s each, 1,000 at 2/s, 10,000 at 0.2/s). What is counted: the delta of
   ``pg_stat_database.xact_commit + xact_rollback`` of the benchmark's own
   database, which only pacerd uses during the window (the workers never ask
   the ledger, the benchmark reads the counters from another database): every
@@ -182,6 +189,16 @@ def spread_indices(n: int, k: int) -> list[int]:
     if not 0 <= k <= n:
         raise ValueError(f"cannot pick {k} of {n}")
     return [i * n // k for i in range(k)]
+
+
+def level_rate(level: int, level_jobs: float, rate: float) -> float:
+    """The rate of each of ``level`` active destinations: ``level_jobs`` jobs
+    a second shared evenly (every level asks the instance for the same work,
+    so its statements per tick compare destinations, not throughput), or
+    ``rate`` each when ``level_jobs`` is 0."""
+    if level <= 0 or level_jobs < 0 or rate <= 0:
+        raise ValueError("level and rate must be > 0, level_jobs >= 0")
+    return level_jobs / level if level_jobs > 0 else rate
 
 
 Sample = tuple[str, dict[str, str], float]
@@ -420,15 +437,24 @@ async def delete_queues(url: str, names: Iterable[str]) -> None:
 
 
 def write_config(
-    path: Path, run: Run, dsn: str, *, instance: str, port: int | None, log_level: str = "warning"
+    path: Path,
+    run: Run,
+    dsn: str,
+    *,
+    instance: str,
+    port: int | None,
+    log_level: str = "warning",
+    rate: float | None = None,
 ) -> Path:
+    """``rate``: the group's ``initial_rate = max_rate`` (default ``--rate``)."""
     http = f'http_address = "127.0.0.1:{port}"\n' if port is not None else ""
+    rate = run.rate if rate is None else rate
     path.write_text(
         f'[database]\ndsn = "{dsn}"\n\n'
         f'[broker]\nurl = "{run.amqp_url}"\n\n'
         f"[pacing]\ntick_seconds = {run.tick}\n\n"
         f'[groups.{GROUP}]\nmatch = "{MATCH}"\n'
-        f"initial_rate = {run.rate}\nmax_rate = {run.rate}\nmin_rate = {min(1.0, run.rate)}\n\n"
+        f"initial_rate = {rate}\nmax_rate = {rate}\nmin_rate = {min(1.0, rate)}\n\n"
         f'[daemon]\ninstance_name = "{instance}"\nshutdown_grace_seconds = 5.0\n\n'
         f'[telemetry]\nlog_format = "json"\nlog_level = "{log_level}"\n{http}'
     )
@@ -530,23 +556,30 @@ class Section:
         finally:
             await common.drop_database(self.database)
 
-    def daemon(self, instance: str) -> Daemon:
+    def daemon(self, instance: str, rate: float | None = None) -> Daemon:
         port = free_port()
         config = write_config(
-            self.folder / f"{instance}.toml", self.run, self.dsn, instance=instance, port=port
+            self.folder / f"{instance}.toml",
+            self.run,
+            self.dsn,
+            instance=instance,
+            port=port,
+            rate=rate,
         )
         d = Daemon(instance, config, port, self.folder / f"{instance}.log")
         self.daemons.append(d)
         return d
 
-    async def start_daemon(self, instance: str, out: dict[str, Any], within: float) -> Daemon:
+    async def start_daemon(
+        self, instance: str, out: dict[str, Any], within: float, *, rate: float | None = None
+    ) -> Daemon:
         """Starts ``instance`` and waits for its ``/readyz`` (the section's
         start-up row); ``out["ready_s"]`` is the time, or None."""
-        daemon = self.daemon(instance)
+        daemon = self.daemon(instance, rate)
         daemon.start()
         out["ready_s"], said = await wait_ready(daemon, within)
         ready = out["ready_s"] if out["ready_s"] is not None else f"not ready ({said})"
-        self.run.row(self.name, "start-up: /readyz 200 after (s)", ready, "–", "")
+        self.run.row(self.name, f"{instance} start-up: /readyz 200 after (s)", ready, "–", "")
         return daemon
 
     async def start_workers(self, count: int) -> None:
@@ -752,6 +785,22 @@ async def wait_led(
                 raise RuntimeError(f"{d.name} exited: see {d.log}")
         if time.monotonic() - t0 > within:
             raise TimeoutError(f"{led:,} of {len(pick):,} {seen.kind} led after {within:.0f} s")
+        await asyncio.sleep(0.25)
+
+
+async def wait_led_by(conn: asyncpg.Connection, daemon: Daemon, within: float) -> float:
+    """Until ``daemon`` leads every unit (an instance stopped before it left
+    its name in the ledger's leader column): the seconds it took."""
+    t0 = time.monotonic()
+    while True:
+        seen = await observed(conn, [daemon])
+        mine = sum(1 for v in seen.leaders.values() if v == daemon.name)
+        if seen.leaders and mine == len(seen.leaders):
+            return time.monotonic() - t0
+        if not daemon.alive():
+            raise RuntimeError(f"{daemon.name} exited: see {daemon.log}")
+        if time.monotonic() - t0 > within:
+            raise TimeoutError(f"{daemon.name} leads {mine:,} of {len(seen.leaders):,} {seen.kind}")
         await asyncio.sleep(0.25)
 
 
@@ -990,9 +1039,19 @@ async def section_statements(run: Run) -> dict[str, Any]:
     args = run.args
     n = args.destinations
     levels = [lv for lv in args.levels if lv <= n]
-    out: dict[str, Any] = {"known": n, "levels": {}, "load_start": load_average()}
+    out: dict[str, Any] = {
+        "known": n,
+        "levels": {},
+        "level_jobs": args.level_jobs,
+        "load_start": load_average(),
+    }
+    asked = (
+        f"{args.level_jobs:g} jobs/s in all at every level"
+        if args.level_jobs > 0
+        else f"{run.rate:g} jobs/s per destination at every level"
+    )
     print(
-        f"statements: {n:,} known, levels {levels}, {args.ticks} ticks each after"
+        f"statements: {n:,} known, levels {levels} ({asked}), {args.ticks} ticks each after"
         f" {args.settle:g} s settle (load {out['load_start']})",
         flush=True,
     )
@@ -1001,20 +1060,15 @@ async def section_statements(run: Run) -> dict[str, Any]:
         conn = await sec.connect()
         try:
             out["known_setup_s"] = await make_known(conn, n)
-            await sec.start_workers(args.workers)
-            daemon = await sec.start_daemon("fanout-a", out, args.ready_timeout)
-            try:
-                out["lead_s"], _ = await wait_led(conn, [daemon], args.ready_timeout)
-            except TimeoutError as exc:
-                out["error"] = f"not led: {exc}"
-                print(f"  statements: {exc}; measuring anyway", flush=True)
         finally:
             await conn.close()
+        await sec.start_workers(args.workers)
         for level in levels:
+            rate = level_rate(level, args.level_jobs, run.rate)
             active = spread_indices(n, level)
             names = [destination_name(i, width) for i in active]
             window = args.ticks * run.tick
-            jobs_per = math.ceil(run.rate * (args.settle + window) * 1.2) + 2
+            jobs_per = math.ceil(rate * (args.settle + window) * 1.2) + 2
             conn = await sec.connect()
             try:
                 await conn.execute(
@@ -1023,9 +1077,23 @@ async def section_statements(run: Run) -> dict[str, Any]:
                     names,
                 )
                 setup = await schedule_backlog(conn, active, jobs_per, n=n, prefix=f"s{level}")
+                print(
+                    f"  level {level:,}: {rate:g} jobs/s each, {jobs_per} jobs each scheduled"
+                    f" in {setup:.1f} s",
+                    flush=True,
+                )
+                # a daemon of the level's own: its group is paced at the level's rate
+                measured: dict[str, Any] = {"rate_per_destination": rate}
+                daemon = await sec.start_daemon(
+                    f"fanout-l{level}", measured, args.ready_timeout, rate=rate
+                )
+                try:
+                    measured["lead_s"] = await wait_led_by(conn, daemon, args.ready_timeout)
+                except TimeoutError as exc:
+                    measured["error"] = f"not led: {exc}"
+                    print(f"  statements: {exc}; measuring anyway", flush=True)
             finally:
                 await conn.close()
-            print(f"  level {level:,}: {jobs_per} jobs each scheduled in {setup:.1f} s", flush=True)
             await asyncio.sleep(args.settle)
             m0 = await asyncio.to_thread(daemon.metrics)
             x0 = await xacts(sec.database)
@@ -1046,13 +1114,17 @@ async def section_statements(run: Run) -> dict[str, Any]:
                 )
             finally:
                 await conn.close()
-            out["levels"][level] = measured = _statement_figures(
+            measured |= _statement_figures(
                 run, x1 - x0, wall, m0, m1, c0.get(daemon.pid), c1.get(daemon.pid)
             )
+            out["levels"][level] = measured
             measured["still_active_at_end"] = still
             measured["load"] = load_average()
+            alive = daemon.alive()
+            if daemon.proc is not None:
+                await asyncio.to_thread(common.stop_process, daemon.proc)
             _statement_rows(run, level, measured, args)
-            if not daemon.alive():
+            if not alive:
                 out["error"] = f"the daemon exited: see {daemon.log}"
                 break
     out["load_end"] = load_average()
@@ -1112,8 +1184,8 @@ def _statement_figures(
             figures["outcome_statements_per_tick"] = outcome
             figures["other_statements_per_tick"] = sum(by_name.values()) - outcome
             o0, o1 = metric_sum(m0, OUTCOMES_COUNTER), metric_sum(m1, OUTCOMES_COUNTER)
-            if o0 is not None and o1 is not None:
-                figures["outcomes_per_tick"] = per_tick(o1 - o0, wall, run.tick)
+            if o1 is not None:  # a counter first exported inside the window started at 0
+                figures["outcomes_per_tick"] = per_tick(o1 - (o0 or 0.0), wall, run.tick)
         buckets = bucket_delta(
             histogram_buckets(m0, TICK_HISTOGRAM), histogram_buckets(m1, TICK_HISTOGRAM)
         )
@@ -1521,6 +1593,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prefetch", type=int, default=500, help="the workers' prefetch (500)")
     parser.add_argument("--levels", default=None, help="statements: active levels (10,1000,10000)")
     parser.add_argument("--settle", type=float, default=None, help="statements: settle s (12)")
+    parser.add_argument(
+        "--level-jobs",
+        type=float,
+        default=0.0,
+        help="statements: jobs/s asked in all at every level, shared by its active destinations"
+        " (default 0: --rate each, whatever the level)",
+    )
     parser.add_argument("--idle-seconds", type=float, default=None, help="idle: window s (30)")
     parser.add_argument("--warmup", type=float, default=None, help="idle: warm-up s (10)")
     parser.add_argument("--twins-active", type=int, default=None, help="twins: active (100)")
@@ -1547,6 +1626,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.levels = sorted({int(v) for v in str(args.levels).split(",") if v.strip()})
+    if args.level_jobs < 0:
+        parser.error("--level-jobs must be >= 0")
     args.only = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = [s for s in args.only if s not in SECTIONS]
     if unknown:

@@ -147,8 +147,20 @@ def test_the_quick_mode_and_the_defaults() -> None:
     assert (full.destinations, full.active, full.jobs_per) == (10_000, 1_000, 5)
     assert full.only == ["drain", "idle"]
     assert full.levels == [10, 1000]
+    assert (quick.level_jobs, full.level_jobs) == (0.0, 0.0)  # --rate each
+    assert fanout.parse_args(["--level-jobs", "2000"]).level_jobs == 2000.0
+    with pytest.raises(SystemExit):
+        fanout.parse_args(["--level-jobs", "-1"])
     with pytest.raises(SystemExit):
         fanout.parse_args(["--only", "nope"])
+
+
+def test_every_level_asks_for_the_same_jobs_unless_told_otherwise() -> None:
+    rates = {lv: fanout.level_rate(lv, 2000.0, 2.0) for lv in (10, 1000, 10_000)}
+    assert rates == {10: 200.0, 1000: 2.0, 10_000: 0.2}
+    assert fanout.level_rate(10_000, 0.0, 2.0) == 2.0  # --level-jobs 0: --rate each
+    with pytest.raises(ValueError, match="must be > 0"):
+        fanout.level_rate(0, 2000.0, 2.0)
 
 
 def test_live_instances_override_the_ledger_column() -> None:
