@@ -241,6 +241,7 @@ PEAK_PROBE_RTTS = 2.0  # ... so the ladder probes after this many clean round tr
 PEAK_LADDER_MAX = 0.5  # ... with steps up to this share of the rate while under the peak
 FIRST_ROUND_TRIP_MAX_S = 30.0  # a first round trip measured longer is an outage: taken as this
 SHORT_RTT_TICKS = 1.5  # a round trip up to this many ticks: outcomes heard by the next tick
+SPARSE_MAX_TICKS = 10  # a tick with no whole job to release skips at most this many ticks
 _MONOTONIC = ("last_tick", "deadline", "prepaid")  # never persisted
 
 
@@ -487,7 +488,25 @@ def _clamp(rate: float, p: PacingParams) -> float:
 
 
 def _elapsed(state: PacerState, now: float, p: PacingParams) -> float:
-    return min(max(0.0, now - state.last_tick), 2.0 * p.tick_seconds)
+    """The time since the last tick, at most two ticks (missed ticks are
+    skipped) beyond the ticks the last plan skipped on purpose (``_skipped``)."""
+    return min(max(0.0, now - state.last_tick), 2.0 * p.tick_seconds + _skipped(state, p))
+
+
+def _skipped(state: PacerState, p: PacingParams) -> float:
+    """The schedule's ticks the last plan left out (a sparse tick, see
+    :func:`tick_budget`): its deadline past the one tick after it ran; 0
+    for a tick on the schedule."""
+    return max(0.0, state.deadline - state.last_tick - p.tick_seconds)
+
+
+def _sparse_ticks(credit: float, rate: float, p: PacingParams) -> int:
+    """The schedule's ticks it takes ``credit`` (< 1) to grow to a whole job
+    at ``rate``, at most ``SPARSE_MAX_TICKS``."""
+    per_tick = rate * p.tick_seconds
+    if per_tick <= 0:
+        return SPARSE_MAX_TICKS
+    return max(1, min(SPARSE_MAX_TICKS, math.ceil((1.0 - credit) / per_tick - 1e-9)))
 
 
 def _pressed(demand: Demand | None) -> bool:
@@ -1126,7 +1145,12 @@ def tick_budget(
     at a rate that keeps growing over what it pays for, from the rate on, as
     the next tick's step will have grown it (``TickPlan.ramp``): no jump
     of a whole factor at a tick's start, for a brake to catch a round trip
-    after it began."""
+    after it began. A *sparse* plan, for a rate under a job a tick: when the
+    next ticks of the schedule would have no whole job to send and could not
+    grow the rate (this tick used no budget, or the rate is at ``max_rate``),
+    the next deadline is the first point with a job (at most
+    ``SPARSE_MAX_TICKS`` ahead), and that tick pays for the time it skipped
+    (``_skipped``): one tick a job instead of one a ``tick_seconds``."""
     p = params
     elapsed = _elapsed(state, now, p)
     early = reopening and now < state.deadline
@@ -1138,7 +1162,15 @@ def tick_budget(
     if not (cooldown or paused):
         # a late tick catches up on the time since the last one, but never
         # releases faster than CATCH_UP x the rate over what is left of it
-        pay = span if early or state.prepaid else min(elapsed, CATCH_UP * span)
+        # (the ticks a sparse plan skipped on purpose are paid in full); under
+        # a job a tick it pays it all: a job or two, not a burst, and a loop
+        # running late would otherwise starve it of what it is owed
+        if early or state.prepaid:
+            pay = span
+        elif state.rate * p.tick_seconds < 1.0:
+            pay = elapsed
+        else:
+            pay = min(elapsed, CATCH_UP * span + _skipped(state, p))
         # the ramp stops at max_rate; none when nothing is paid for or no room is left
         ramp = min(growth**pay, p.max_rate / state.rate) if growth > 1.0 else 1.0
         if ramp > 1.0 + 1e-9:
@@ -1148,6 +1180,15 @@ def tick_budget(
         whole = math.floor(raw)
         credit, capped = raw - whole, whole > room
         budget = min(whole, room)
+        if ramp == 1.0 and not early and (whole == 0 or state.rate >= p.max_rate):
+            # sparse: the next ticks of the schedule would have no whole job to
+            # send, and could not grow the rate (growth needs a budget used, or
+            # room under max_rate): the next tick is the one that has a job; the
+            # outcomes heard meanwhile are read then, before it sends
+            owed = credit + state.rate * (deadline - now)
+            if owed < 1.0:
+                more = _sparse_ticks(owed, state.rate, p)
+                deadline += min(more, SPARSE_MAX_TICKS - 1) * p.tick_seconds
     live_pace = min(state.rate, state.ceiling or state.rate) * LIVE_PACE
     plan = TickPlan(
         budget=budget,

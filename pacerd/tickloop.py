@@ -68,6 +68,15 @@ class _Active:
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
     last_pass: float = 0.0
 
+    def due_since(self) -> float:
+        """Since when its next pass is due: its last pass, or the schedule's
+        tick before the next one its plan set (later when a sparse plan
+        skipped ticks that would send nothing)."""
+        planned = self.admission.next_deadline
+        if planned is None:
+            return self.last_pass
+        return max(self.last_pass, planned - self.admission.config.params.tick_seconds)
+
 
 def is_quiet(result: TickResult) -> bool:
     """Nothing claimed, nothing in flight, no outcomes since the last tick,
@@ -311,11 +320,13 @@ class TickLoop:
     # -- health and reload -------------------------------------------------------------
 
     def healthy(self, limit_seconds: float) -> bool:
-        """The loop and every active destination passed within ``limit_seconds``."""
+        """The loop and every active destination passed within ``limit_seconds``
+        (of its last pass, or of the tick before the one its plan skipped to:
+        a sparse plan leaves out the ticks that would send nothing)."""
         now = self.clock.monotonic()
         if now - self.last_pass > limit_seconds:
             return False
-        return all(now - a.last_pass <= limit_seconds for a in self.active.values())
+        return all(now - a.due_since() <= limit_seconds for a in self.active.values())
 
     def reconfigure(self) -> None:
         for destination, entry in self.active.items():

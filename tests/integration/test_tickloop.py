@@ -93,3 +93,38 @@ async def test_idle_destinations_are_parked_and_woken_by_new_work(
             assert {t.destination for t in ticks.ticks[seen:]} == {names[0]}
     finally:
         await delete_queues(amqp_url, queues)
+
+
+async def test_a_destination_slower_than_a_job_a_tick_ticks_once_a_job(
+    db_dsn: str, amqp_url: str
+) -> None:
+    """Held at 1 job/s with ticks of 0.2 s, four ticks of five would send
+    nothing: the pacer plans the next tick that has a job instead (a sparse
+    plan), so the destination ticks about once a job, at the same pace."""
+    name = unique("sparse")
+    queue = f"pacerd.ready.{name}"
+    jobs = 6
+    await purge_outcomes(amqp_url)
+    await schedule_many(db_dsn, name, jobs, prefix=name)
+    cfg = daemon_config(
+        db_dsn, amqp_url, pacing__initial_rate=1, pacing__max_rate=1, pacing__min_rate=0.5
+    )
+    try:
+        async with (
+            running_daemon(cfg) as (daemon, ticks),
+            worker_pool(amqp_url, [queue], WorkerPool()),
+        ):
+            loop = daemon.tickloop
+            assert loop is not None
+            started = anyio.current_time()
+            await wait_for_states(db_dsn, lambda c: c.get("completed", 0) == jobs, within=60)
+            took = anyio.current_time() - started
+            mine = [t for t in ticks.ticks if t.destination == name]
+            sent = [t for t in mine if t.claimed]
+            assert sum(t.claimed for t in mine) == jobs
+            # one job a second: the first goes at once, the last ~5 s later
+            assert took >= (jobs - 1) / 1.0 * 0.8, took
+            # every 0.2 s, on the schedule, would be about 5 ticks a job
+            assert len(mine) <= len(sent) + 3, [(t.budget, t.claimed) for t in mine]
+    finally:
+        await delete_queues(amqp_url, [queue])

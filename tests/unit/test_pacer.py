@@ -132,6 +132,87 @@ def test_deadlines_follow_the_schedule() -> None:
     assert next_deadline(10.0, 9.9, 1.0) == 11.0  # called early: still on schedule
 
 
+SLOW = replace(P, min_rate=0.01, max_rate=0.2)  # a destination held at 0.2 jobs/s
+
+
+def ticks_on_schedule(
+    state: PacerState, seconds: float, params: PacingParams
+) -> list[tuple[float, int]]:
+    """(time, budget) of every tick run at its plan's deadline for ``seconds``
+    after the first, each previous tick's budget used (the backlog is deep)."""
+    now, demand, out = state.last_tick, None, []
+    end = now + seconds
+    while now <= end + 1e-9:
+        state, plan = plan_tick(state, EMPTY, demand, now=now, inflight=0, params=params)
+        out.append((now, plan.budget))
+        demand = full(plan.budget)
+        now = plan.next_deadline
+    return out
+
+
+def test_a_tick_with_no_whole_job_to_send_skips_to_the_one_that_has_one() -> None:
+    state = replace(initial_state(SLOW, now=T0), rate=0.2, ceiling=0.2, firm=True)
+    ticks = ticks_on_schedule(state, 60.0, SLOW)
+    budgets = [b for _, b in ticks]
+    # 0.2 jobs/s: one job every 5 s, one tick for each (not five), the same jobs
+    assert sum(budgets) == pytest.approx(0.2 * 60, abs=1)
+    assert len(ticks) <= 0.2 * 60 + 2
+    assert budgets.count(0) <= 1  # only the first, which had no credit yet
+    times = [t for t, _ in ticks]
+    assert all(
+        later - earlier == pytest.approx(5.0) for earlier, later in itertools.pairwise(times[1:])
+    )
+
+
+def test_a_sparse_skip_is_bounded_and_its_time_is_paid_and_counted() -> None:
+    slower = replace(SLOW, max_rate=0.01)
+    state = replace(initial_state(slower, now=T0), rate=0.01, ceiling=0.01, firm=True, hold_s=5.0)
+    state, plan = plan_tick(state, EMPTY, None, now=T0, inflight=0, params=slower)
+    assert plan.budget == 0
+    assert plan.next_deadline - T0 == pytest.approx(pacer.SPARSE_MAX_TICKS * slower.tick_seconds)
+    later = plan.next_deadline
+    # the tick at the end of the skip counts (and pays for) the whole time since
+    assert pacer._elapsed(state, later, slower) == pytest.approx(later - T0)
+    state, _ = plan_tick(state, EMPTY, None, now=later, inflight=0, params=slower)
+    assert state.credit == pytest.approx(0.01 * (later - T0 + slower.tick_seconds))
+    assert state.hold_s == 0.0  # the hold ran out over the skipped time too
+
+
+@pytest.mark.parametrize("late", [0.0, 0.3, 0.6, 0.9])
+def test_a_loop_running_late_does_not_starve_a_destination_under_a_job_a_tick(
+    late: float,
+) -> None:
+    """Every tick starts ``late`` after its deadline (a busy loop): a late tick
+    of a fast destination pays at most CATCH_UP x the rate over what is left
+    of it, but one under a job a tick is paid all its time (a job, not a
+    burst); capped, a loop 0.6 s late gave it half its rate."""
+    state = replace(initial_state(SLOW, now=T0), rate=0.2, ceiling=0.2, firm=True)
+    now, demand, jobs = T0, None, 0
+    while now < T0 + 300.0:
+        state, plan = plan_tick(state, EMPTY, demand, now=now, inflight=0, params=SLOW)
+        jobs += plan.budget
+        demand = full(plan.budget)
+        now = plan.next_deadline + late
+    assert jobs == pytest.approx(0.2 * 300.0, abs=2)
+
+
+def test_a_tick_whose_rate_may_grow_a_pause_or_a_cool_down_stays_on_the_schedule() -> None:
+    may_grow = replace(SLOW, max_rate=1.0)  # a used budget may grow the rate next tick
+    state = replace(initial_state(may_grow, now=T0), rate=0.2, ceiling=0.2, firm=True, credit=0.9)
+    _, plan = plan_tick(state, EMPTY, None, now=T0 + 1.0, inflight=0, params=may_grow)
+    assert plan.budget == 1
+    assert plan.next_deadline == pytest.approx(T0 + 2.0)
+    # held at max_rate, it cannot: the next tick is the one with a whole job again
+    _, plan = plan_tick(state, EMPTY, None, now=T0 + 1.0, inflight=0, params=SLOW)
+    assert plan.budget == 1
+    # it paid the 2 s since its last tick: credit 0.3 left, 0.2 a tick
+    assert plan.next_deadline == pytest.approx(T0 + 5.0)
+    for closed in ({"paused": True}, {"cooldown_remaining_s": 30.0}):
+        _, plan = plan_tick(state, EMPTY, None, now=T0 + 1.0, inflight=0, params=SLOW, **closed)
+        assert plan.budget == 0
+        assert plan.next_deadline == pytest.approx(T0 + 2.0)
+
+
 @pytest.mark.parametrize(
     ("budget", "live_due", "backlog_due", "expected"),
     [
