@@ -6,6 +6,7 @@ group, against the targets of the issue "Thousands of destinations".
     .venv/bin/python -m bench.fanout --destinations 1000 --active 200 --only drain,idle
     .venv/bin/python -m bench.fanout --quick --json /tmp/fanout.json
     BENCH_PACERD_ROOT=/other/checkout .venv/bin/python -m bench.fanout --only statements  # A/B
+    .venv/bin/python -m bench.fanout --only statements --level-jobs 2000  # the same work a level
 
 Every destination is ``tenant-NNNNN``, in one group ``[groups.tenants] match =
 "tenant-*"`` (one shared ready queue, ``pacerd.ready.tenants``), paced at
