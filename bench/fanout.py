@@ -766,9 +766,13 @@ async def wait_led(
     daemons: Sequence[Daemon],
     within: float,
     units: Iterable[str] | None = None,
+    *,
+    by: str | None = None,
 ) -> tuple[float, Leadership]:
-    """Until every unit (or every one of ``units``) has a leader; returns the
-    seconds it took and the leadership seen. TimeoutError says how far it got."""
+    """Until every unit (or every one of ``units``) has a leader, or with
+    ``by`` is led by that instance (one stopped before it left its name in
+    the ledger's leader column); returns the seconds it took and the
+    leadership seen. TimeoutError says how far it got."""
     t0 = time.monotonic()
     wanted = set(units) if units is not None else None
     while True:
@@ -778,30 +782,17 @@ async def wait_led(
             if wanted is None or seen.kind == "partitions"
             else {u: seen.leaders.get(u) for u in wanted}
         )
-        led = sum(1 for v in pick.values() if v is not None)
+        led = sum(1 for v in pick.values() if v is not None and (by is None or v == by))
         if pick and led == len(pick):
             return time.monotonic() - t0, seen
         for d in daemons:
             if not d.alive():
                 raise RuntimeError(f"{d.name} exited: see {d.log}")
         if time.monotonic() - t0 > within:
-            raise TimeoutError(f"{led:,} of {len(pick):,} {seen.kind} led after {within:.0f} s")
-        await asyncio.sleep(0.25)
-
-
-async def wait_led_by(conn: asyncpg.Connection, daemon: Daemon, within: float) -> float:
-    """Until ``daemon`` leads every unit (an instance stopped before it left
-    its name in the ledger's leader column): the seconds it took."""
-    t0 = time.monotonic()
-    while True:
-        seen = await observed(conn, [daemon])
-        mine = sum(1 for v in seen.leaders.values() if v == daemon.name)
-        if seen.leaders and mine == len(seen.leaders):
-            return time.monotonic() - t0
-        if not daemon.alive():
-            raise RuntimeError(f"{daemon.name} exited: see {daemon.log}")
-        if time.monotonic() - t0 > within:
-            raise TimeoutError(f"{daemon.name} leads {mine:,} of {len(seen.leaders):,} {seen.kind}")
+            whom = f" by {by}" if by is not None else ""
+            raise TimeoutError(
+                f"{led:,} of {len(pick):,} {seen.kind} led{whom} after {within:.0f} s"
+            )
         await asyncio.sleep(0.25)
 
 
@@ -1089,7 +1080,9 @@ async def section_statements(run: Run) -> dict[str, Any]:
                     f"fanout-l{level}", measured, args.ready_timeout, rate=rate
                 )
                 try:
-                    measured["lead_s"] = await wait_led_by(conn, daemon, args.ready_timeout)
+                    measured["lead_s"], _ = await wait_led(
+                        conn, [daemon], args.ready_timeout, by=daemon.name
+                    )
                 except TimeoutError as exc:
                     measured["error"] = f"not led: {exc}"
                     print(f"  statements: {exc}; measuring anyway", flush=True)

@@ -500,15 +500,6 @@ def _skipped(state: PacerState, p: PacingParams) -> float:
     return max(0.0, state.deadline - state.last_tick - p.tick_seconds)
 
 
-def _sparse_ticks(credit: float, rate: float, p: PacingParams) -> int:
-    """The schedule's ticks it takes ``credit`` (< 1) to grow to a whole job
-    at ``rate``, at most ``SPARSE_MAX_TICKS``."""
-    per_tick = rate * p.tick_seconds
-    if per_tick <= 0:
-        return SPARSE_MAX_TICKS
-    return max(1, min(SPARSE_MAX_TICKS, math.ceil((1.0 - credit) / per_tick - 1e-9)))
-
-
 def _pressed(demand: Demand | None) -> bool:
     """Whether the tick released what the rate allowed: its whole budget, or
     up to ``max_inflight``, with due work left (not app-limited)."""
@@ -1185,9 +1176,10 @@ def tick_budget(
             # send, and could not grow the rate (growth needs a budget used, or
             # room under max_rate): the next tick is the one that has a job; the
             # outcomes heard meanwhile are read then, before it sends
+            # (the rate is at least min_rate, which the config keeps positive)
             owed = credit + state.rate * (deadline - now)
             if owed < 1.0:
-                more = _sparse_ticks(owed, state.rate, p)
+                more = math.ceil((1.0 - owed) / (state.rate * p.tick_seconds) - 1e-9)
                 deadline += min(more, SPARSE_MAX_TICKS - 1) * p.tick_seconds
     live_pace = min(state.rate, state.ceiling or state.rate) * LIVE_PACE
     plan = TickPlan(
