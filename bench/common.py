@@ -179,6 +179,28 @@ async def amqp_channel(url: str = AMQP_URL) -> AsyncIterator[aiormq.abc.Abstract
         await connection.close()
 
 
+async def wait_consumers(
+    count: int,
+    procs: Sequence[subprocess.Popen[Any]],
+    *,
+    url: str = AMQP_URL,
+    queue: str = READY_QUEUE,
+) -> None:
+    """Until ``queue`` has ``count`` consumers (the workers of ``procs``
+    consume), or one of them exits, or a minute passes."""
+    deadline = time.monotonic() + 60
+    while True:
+        async with amqp_channel(url) as ch:
+            declared = await ch.queue_declare(queue, passive=True)
+        if (declared.consumer_count or 0) >= count:
+            return
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError("a worker process exited before consuming")
+        if time.monotonic() > deadline:
+            raise TimeoutError("the workers did not start consuming")
+        await asyncio.sleep(0.1)
+
+
 async def reset_queues(url: str = AMQP_URL) -> None:
     """Deletes the benchmark's queues and exchanges: every run starts empty."""
     async with amqp_channel(url) as ch:

@@ -128,6 +128,7 @@ LATENCY_MS, LATENCY_SIGMA = 20.0, 0.35  # 10 to 40 ms per call
 # ``lag_ms`` is this plus the latency); the simulation's default is 100 ms
 REPORT_DELAY_MS = 3.0
 PAUSED_TICKS = 2  # the simulated daemon's ticks on the paused destination before the resume
+SETTLE_SECONDS = 1.5  # the real daemon's time leading the paused destination before it
 WORKERS = 2
 PEER_THREADS = 16
 NGINX_RATE, NGINX_BURST = 120.0, 10
@@ -512,7 +513,11 @@ async def run_pacerd(dsn: str, plan: Plan) -> Trace:
         daemon = spawn(["run"], env)
         procs.append(daemon)
         await common.wait_leader(conn, daemon)
-        await asyncio.sleep(1.5)  # the workers consume by now
+        await common.wait_consumers(WORKERS, procs, url=AMQP_URL)
+        # the daemon ticks on the paused destination a while, as the
+        # simulation starts: the resume reopens a destination it already
+        # paces, not its first tick as a leader (no slow-start ramp there)
+        await asyncio.sleep(SETTLE_SECONDS)
         t0 = time.time()
         await conn.execute("SELECT pacerd.resume($1)", common.DESTINATION)
         done = asyncio.Event()
@@ -770,11 +775,16 @@ async def measure(args: argparse.Namespace) -> str:
         for plan in chosen:
             load = uptime()
             print(f"{plan.key}: pacerd (load {load})", file=sys.stderr, flush=True)
+            began = time.monotonic()
             traces = {"pacerd": await run_pacerd(dsn, plan)}
             traces["sim"] = await asyncio.to_thread(run_sim, plan, args.seed)
+            took = f"pacerd and sim {time.monotonic() - began:.0f} s"
             if not args.no_peer:
                 print(f"{plan.key}: botocore", file=sys.stderr, flush=True)
+                began = time.monotonic()
                 traces["botocore"] = await asyncio.to_thread(run_botocore, plan)
+                took += f", botocore {time.monotonic() - began:.0f} s"
+            print(f"{plan.key}: {took}", file=sys.stderr, flush=True)
             got = {who: metrics(plan, tr) for who, tr in traces.items()}
             results[plan.key] = {"load": load, "metrics": got}
             results[plan.key]["per_second"] = {who: per_second(tr) for who, tr in traces.items()}

@@ -108,20 +108,6 @@ async def transactions(conn: asyncpg.Connection) -> int:
     return count
 
 
-async def wait_consumers(count: int, procs: list[subprocess.Popen[bytes]]) -> None:
-    deadline = time.monotonic() + 60
-    while True:
-        async with common.amqp_channel() as ch:
-            declared = await ch.queue_declare(common.READY_QUEUE, passive=True)
-        if (declared.consumer_count or 0) >= count:
-            return
-        if any(p.poll() is not None for p in procs):
-            raise RuntimeError("a worker process exited before consuming")
-        if time.monotonic() > deadline:
-            raise TimeoutError("the workers did not start consuming")
-        await asyncio.sleep(0.2)
-
-
 def start_node_workers(count: int, prefetch: int, upstream: str) -> list[subprocess.Popen[bytes]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PACERD_", "OTEL_"))}
     env |= {"AMQP_URL": common.AMQP_URL, "DESTINATION": common.DESTINATION}
@@ -183,7 +169,7 @@ async def _cycle(
     )
     spies: list[subprocess.Popen[bytes]] = []
     try:
-        await wait_consumers(len(procs), procs)
+        await common.wait_consumers(len(procs), procs)
         await common.wait_leader(conn, daemon)
         await asyncio.sleep(0.5)
         if profile is not None:
