@@ -172,12 +172,20 @@ The law, per destination:
   (:func:`watches`: what is in flight at its start is under
   ``BRAKE_LAG_TICKS`` of a tick's releases), and braked only by a capacity
   that fell: ``BRAKE_DROP_RATIO`` of at least ``BRAKE_DROP_OUTCOMES``
-  fresh outcomes refused. A probe's few refusals, and any brake on
-  outcomes a long round trip old, would cut on too noisy an estimate (the
+  fresh outcomes refused, or ``BRAKE_SURE_RATIO`` of fewer, when they are
+  twice the brake's least refusals. Such a brake remembers the rate it
+  fell from as a peak. Or by a ladder's probe that overshot (the tick's rate stepped up
+  by the ladder, refusals under a drop's share): the rate goes back to the
+  rung the step began from, whose window was clean (or just under the
+  estimate, when that is higher), firm there, with no peak and no drop:
+  the capacity was found between the two rungs, a round trip into the
+  overshoot rather than a tick (a probe at 123/s over 100/s: 4 refusals
+  instead of 15). Fewer refusals, or a drop's share among too few
+  outcomes to tell, wait for more; other refusals past slow start (a burst
+  against a small bucket, a rate climbing by its step) and any brake on
+  outcomes a long round trip old would cut on too noisy an estimate (the
   simulation's oscillation and fairness targets say so): the tick's own
-  step decides. Such a brake remembers the rate it fell from as a peak.
-  Fewer refusals (a burst against a small bucket, a probe) are left to the
-  tick's own step. An episode right after a brake is never heavy: its
+  step decides. An episode right after a brake is never heavy: its
   outcomes are of jobs claimed at the brake's rate; after a drop's brake,
   nor are the episodes that follow it back to back until a clean window
   (``dropped``): a brake's estimate a little over the capacity is refused
@@ -232,6 +240,7 @@ BRAKE_RATIO = 0.1  # ... making at least this share of the fresh outcomes heard 
 BRAKE_LAG_TICKS = 0.1  # past slow start, a tick is watched when its round trip is this short
 BRAKE_DROP_RATIO = 0.25  # ... and braked only by this share of refusals (a drop, not a probe)
 BRAKE_DROP_OUTCOMES = 20  # ... among at least this many fresh outcomes
+BRAKE_SURE_RATIO = 0.5  # ... or among fewer, this share refused (twice the brake's least)
 BRAKE_MIN_BUDGET = 10  # ticks with a smaller budget are not watched mid-tick (too few outcomes)
 BRAKE_MIN_SPAN_S = 0.1  # a brake's window measures the accepted rate over at least this long
 BRAKE_MIN_ACCEPTED = 20  # ... and this many accepted outcomes
@@ -890,13 +899,17 @@ def brake(
     outcomes = window.accepted_fresh + refused
     if state.cooling:
         return None
-    if refused < max(1, BRAKE_MIN_FACTOR * p.refusal_min_count):
+    least = max(1, BRAKE_MIN_FACTOR * p.refusal_min_count)
+    if refused < least:
         return None
     if refused < BRAKE_RATIO * outcomes:
         return None
-    if state.ceiling is not None and (
-        refused < BRAKE_DROP_RATIO * outcomes or outcomes < BRAKE_DROP_OUTCOMES
-    ):
+    heavy = refused >= BRAKE_DROP_RATIO * outcomes
+    # a drop once enough outcomes tell it; sooner when most of them are refused
+    sure = refused >= BRAKE_SURE_RATIO * outcomes and refused >= 2 * least
+    drop = heavy and (outcomes >= BRAKE_DROP_OUTCOMES or sure)
+    probe = state.ceiling is not None and state.ladder > 0 and not heavy
+    if state.ceiling is not None and not (drop or probe):
         return None  # past slow start, only a capacity that fell: not a probe's few refusals
     sent = max(state.rate, sent or 0.0)
     span = window.interval_seconds or 0.0
@@ -909,11 +922,15 @@ def brake(
         # per second is its refill rate, whatever was sent
         est = min(est, (window.accepted + 0.5) / span)
     est = max(p.min_rate, est)
-    rate = min(sent, max(est * (1.0 - p.decrease_margin), p.decrease_factor * sent))
+    # a probe's overshoot: back to the rung it stepped from at least (its
+    # window was clean); otherwise cut on the estimate
+    floor = state.rate - state.ladder if probe else p.decrease_factor * sent
+    rate = min(sent, max(est * (1.0 - p.decrease_margin), floor))
+    fell = state.ceiling is not None and not probe  # past slow start: a capacity that fell
     return _new_episode(
         state,
         rate=_clamp(rate, p),
-        ceiling=est * (1.0 - p.decrease_margin),
+        ceiling=rate if probe else est * (1.0 - p.decrease_margin),
         firm=True,
         heavy=False,
         cut_from=sent,
@@ -922,8 +939,8 @@ def brake(
         braked=True,
         # past slow start, a tick braked this hard met a capacity that fell:
         # the cuts that follow it, until a clean window, are of no mixed window
-        peak=state.peak if state.ceiling is None else max(state.peak, sent),
-        dropped=state.ceiling is not None,
+        peak=max(state.peak, sent) if fell else state.peak,
+        dropped=fell,
     )
 
 

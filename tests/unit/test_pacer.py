@@ -811,6 +811,56 @@ def test_past_slow_start_only_a_drops_share_of_refusals_brakes() -> None:
     assert not pacer.brake(replace(initial_state(P, now=T0), rate=100.0), drop, P).dropped  # type: ignore[union-attr]
 
 
+def test_a_drop_most_of_whose_outcomes_are_refused_brakes_before_it_has_many() -> None:
+    state = at_ceiling(rate=100.0)
+    least = pacer.BRAKE_MIN_FACTOR * P.refusal_min_count
+    # twice the brake's least refusals, half or more of what was heard: a drop already
+    cut = pacer.brake(state, OutcomeWindow(accepted_fresh=4, refused_fresh=2 * least), P)
+    assert cut is not None
+    assert (cut.peak, cut.dropped) == (100.0, True)
+    assert cut.rate < 50.0
+    # fewer refusals, or under half of the outcomes: wait for BRAKE_DROP_OUTCOMES
+    fewer = OutcomeWindow(accepted_fresh=1, refused_fresh=2 * least - 1)
+    under_half = OutcomeWindow(accepted_fresh=2 * least + 1, refused_fresh=2 * least)
+    assert fewer.accepted_fresh + fewer.refused_fresh < pacer.BRAKE_DROP_OUTCOMES
+    assert under_half.accepted_fresh + under_half.refused_fresh < pacer.BRAKE_DROP_OUTCOMES
+    assert pacer.brake(state, fewer, P) is None
+    assert pacer.brake(state, under_half, P) is None
+
+
+def test_a_ladders_overshoot_is_braked_back_to_the_rung_it_stepped_from() -> None:
+    # the ladder stepped from 98.6/s, whose window was clean, to 123.3/s
+    probe = replace(at_ceiling(rate=123.3, ceiling=80.0), ladder=24.7, peak=50.0)
+    overshoot = OutcomeWindow(accepted_fresh=40, refused_fresh=8)  # a share under a drop's
+    cut = pacer.brake(probe, overshoot, P)
+    assert cut is not None
+    assert cut.rate == pytest.approx(123.3 - 24.7)  # the estimate (~103 x 0.96) is under it
+    assert (cut.ceiling, cut.firm, cut.braked, cut.ladder) == (cut.rate, True, True, 0.0)
+    # the capacity found above the rung did not fall: no peak, no drop
+    assert (cut.peak, cut.dropped) == (50.0, False)
+    # an estimate above the rung: just under it
+    mild = OutcomeWindow(accepted_fresh=90, refused_fresh=10)
+    higher = pacer.brake(probe, mild, P)
+    assert higher is not None
+    assert higher.rate == pytest.approx(123.3 * 90.5 / 101 * (1 - P.decrease_margin))
+    assert 98.6 < higher.rate < 123.3
+    # too few refusals to tell, or no ladder (the tick's own step decides)
+    few = OutcomeWindow(accepted_fresh=40, refused_fresh=pacer.BRAKE_MIN_FACTOR * 2 - 1)
+    assert pacer.brake(probe, few, P) is None
+    assert pacer.brake(replace(probe, ladder=0.0), overshoot, P) is None
+
+
+def test_a_drops_share_of_refusals_during_a_ladders_probe_is_a_drop() -> None:
+    probe = replace(at_ceiling(rate=102.0, ceiling=97.0), ladder=2.4)
+    n = pacer.BRAKE_DROP_OUTCOMES - 1  # too few outcomes to tell a drop: wait for more
+    early = OutcomeWindow(accepted_fresh=n - n // 2, refused_fresh=n // 2)
+    assert pacer.brake(probe, early, P) is None
+    cut = pacer.brake(probe, OutcomeWindow(accepted_fresh=10, refused_fresh=10), P)
+    assert cut is not None
+    assert cut.rate < 102.0 - 2.4  # not back to the rung: the capacity fell
+    assert (cut.peak, cut.dropped) == (102.0, True)  # remembered for its return
+
+
 @pytest.mark.parametrize(
     ("inflight", "watched"), [(0, True), (10, True), (11, False), (500, False)]
 )
