@@ -170,23 +170,28 @@ The law, per destination:
   round trip after its overshoot began rather than a tick later. Past slow
   start a tick is watched only when its round trip is short
   (:func:`watches`: what is in flight at its start is under
-  ``BRAKE_LAG_TICKS`` of a tick's releases), and braked only by a capacity
+  ``BRAKE_LAG_TICKS`` of a tick's releases), and braked by a capacity
   that fell: ``BRAKE_DROP_RATIO`` of at least ``BRAKE_DROP_OUTCOMES``
   fresh outcomes refused, or ``BRAKE_SURE_RATIO`` of fewer, when they are
   twice the brake's least refusals. Such a brake remembers the rate it
-  fell from as a peak. Or by a ladder's probe that overshot (the tick's rate stepped up
-  by the ladder, refusals under a drop's share): the rate goes back to the
-  rung the step began from, whose window was clean (or just under the
-  estimate, when that is higher), firm there, with no peak and no drop:
-  the capacity was found between the two rungs, a round trip into the
-  overshoot rather than a tick (a probe at 123/s over 100/s: 4 refusals
-  instead of 15). Fewer refusals, or a drop's share among too few
-  outcomes to tell, wait for more; other refusals past slow start (a burst
-  against a small bucket, a rate climbing by its step) and any brake on
-  outcomes a long round trip old would cut on too noisy an estimate (the
-  simulation's oscillation and fairness targets say so): the tick's own
-  step decides. An episode right after a brake is never heavy: its
-  outcomes are of jobs claimed at the brake's rate; after a drop's brake,
+  fell from as a peak. Or by a ladder's probe that overshot (the tick's
+  rate stepped up by the ladder, refusals under a drop's share): the rate
+  goes to just under (``decrease_margin``) the rung the step began from,
+  whose window was clean, or just under the estimate when that is higher,
+  firm there, with no peak and no drop: the capacity was found between
+  the two rungs, a round trip into the overshoot rather than a tick (a
+  probe at 123/s over 100/s: 4 refusals instead of 15). Not the rung
+  itself: a clean window there may be the bucket's slack, and a ceiling a
+  little over a capacity refuses a call now and then, each of which puts
+  off the next probe (the capacity of a deep cut came back and was not
+  found in the 15 s left of the run).
+  Fewer refusals, or a drop's share among too few outcomes to tell, wait
+  for more; other refusals past slow start (a burst against a small
+  bucket, a rate climbing by its step) and any brake on outcomes a long
+  round trip old would cut on too noisy an estimate (the simulation's
+  oscillation and fairness targets say so): the tick's own step decides.
+  An episode right after a brake is never heavy: its outcomes are of jobs
+  claimed at the brake's rate; after a drop's brake,
   nor are the episodes that follow it back to back until a clean window
   (``dropped``): a brake's estimate a little over the capacity is refused
   again, and a heavy cut would then drop to a quarter of the capacity.
@@ -922,9 +927,10 @@ def brake(
         # per second is its refill rate, whatever was sent
         est = min(est, (window.accepted + 0.5) / span)
     est = max(p.min_rate, est)
-    # a probe's overshoot: back to the rung it stepped from at least (its
+    # a probe's overshoot: just under the rung it stepped from at least (its
     # window was clean); otherwise cut on the estimate
-    floor = state.rate - state.ladder if probe else p.decrease_factor * sent
+    rung = state.rate - state.ladder
+    floor = rung * (1.0 - p.decrease_margin) if probe else p.decrease_factor * sent
     rate = min(sent, max(est * (1.0 - p.decrease_margin), floor))
     fell = state.ceiling is not None and not probe  # past slow start: a capacity that fell
     return _new_episode(

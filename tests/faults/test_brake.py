@@ -190,12 +190,12 @@ async def test_past_slow_start_a_long_round_trip_is_not_watched() -> None:
     assert ledger.reads == 1
 
 
-async def test_a_ladders_probe_over_the_capacity_is_braked_back_to_its_rung() -> None:
+async def test_a_ladders_probe_over_the_capacity_is_braked_to_just_under_its_rung() -> None:
     # the ladder stepped from 98.6/s (a clean rung) to 123.3/s over a
     # capacity of 100/s: a fifth of the calls refused once the burst is spent
     probe = {"rate": 123.3, "ceiling": 80.0, "ladder": 24.7, "epoch": 0}
     _, _, braked, rate = await _tick(rate=123.3, capacity=100.0, pacer_state=probe)
-    assert 98.6 - 1e-9 <= rate < 123.3, rate
+    assert 98.6 * (1 - PacingParams().decrease_margin) - 1e-9 <= rate < 123.3, rate
     # the control: the same rate, stepped up by no ladder, is left to the
     # next tick (a few refusals past slow start are not a drop)
     held = {**probe, "ladder": 0.0}

@@ -828,13 +828,15 @@ def test_a_drop_most_of_whose_outcomes_are_refused_brakes_before_it_has_many() -
     assert pacer.brake(state, under_half, P) is None
 
 
-def test_a_ladders_overshoot_is_braked_back_to_the_rung_it_stepped_from() -> None:
+def test_a_ladders_overshoot_is_braked_to_just_under_the_rung_it_stepped_from() -> None:
     # the ladder stepped from 98.6/s, whose window was clean, to 123.3/s
     probe = replace(at_ceiling(rate=123.3, ceiling=80.0), ladder=24.7, peak=50.0)
-    overshoot = OutcomeWindow(accepted_fresh=40, refused_fresh=8)  # a share under a drop's
+    overshoot = OutcomeWindow(accepted_fresh=32, refused_fresh=10)  # a share under a drop's
+    assert pacer.BRAKE_DROP_RATIO * 42 > 10
     cut = pacer.brake(probe, overshoot, P)
     assert cut is not None
-    assert cut.rate == pytest.approx(123.3 - 24.7)  # the estimate (~103 x 0.96) is under it
+    # the estimate (123.3 x 32.5 / 43 = 93.2, less the margin) is under the rung's
+    assert cut.rate == pytest.approx(98.6 * (1 - P.decrease_margin))
     assert (cut.ceiling, cut.firm, cut.braked, cut.ladder) == (cut.rate, True, True, 0.0)
     # the capacity found above the rung did not fall: no peak, no drop
     assert (cut.peak, cut.dropped) == (50.0, False)
@@ -843,7 +845,7 @@ def test_a_ladders_overshoot_is_braked_back_to_the_rung_it_stepped_from() -> Non
     higher = pacer.brake(probe, mild, P)
     assert higher is not None
     assert higher.rate == pytest.approx(123.3 * 90.5 / 101 * (1 - P.decrease_margin))
-    assert 98.6 < higher.rate < 123.3
+    assert 98.6 * (1 - P.decrease_margin) < higher.rate < 123.3
     # too few refusals to tell, or no ladder (the tick's own step decides)
     few = OutcomeWindow(accepted_fresh=40, refused_fresh=pacer.BRAKE_MIN_FACTOR * 2 - 1)
     assert pacer.brake(probe, few, P) is None
