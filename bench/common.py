@@ -187,12 +187,16 @@ async def wait_consumers(
     queue: str = READY_QUEUE,
 ) -> None:
     """Until ``queue`` has ``count`` consumers (the workers of ``procs``
-    consume), or one of them exits, or a minute passes."""
+    consume; a queue not declared yet has none), or one of them exits, or a
+    minute passes."""
     deadline = time.monotonic() + 60
     while True:
+        consumers = 0
         async with amqp_channel(url) as ch:
-            declared = await ch.queue_declare(queue, passive=True)
-        if (declared.consumer_count or 0) >= count:
+            with contextlib.suppress(aiormq.exceptions.ChannelNotFoundEntity):
+                declared = await ch.queue_declare(queue, passive=True)
+                consumers = declared.consumer_count or 0
+        if consumers >= count:
             return
         if any(p.poll() is not None for p in procs):
             raise RuntimeError("a worker process exited before consuming")

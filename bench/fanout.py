@@ -398,20 +398,6 @@ async def queue_exists(url: str, name: str) -> bool:
             await connection.close()
 
 
-async def consumers_of(url: str, name: str) -> int:
-    connection = await aiormq.connect(url)
-    try:
-        channel = await connection.channel()
-        try:
-            declared = await channel.queue_declare(name, passive=True)
-        except aiormq.exceptions.ChannelNotFoundEntity:
-            return 0
-        return int(declared.consumer_count or 0)
-    finally:
-        with contextlib.suppress(Exception):
-            await connection.close()
-
-
 async def purge_group_queue(url: str) -> None:
     connection = await aiormq.connect(url)
     try:
@@ -596,13 +582,12 @@ class Section:
                     env,
                 )
             )
-        deadline = time.monotonic() + 60
-        while await consumers_of(self.run.amqp_url, GROUP_QUEUE) < count:
-            if any(w.poll() is not None for w in self.workers):
-                raise RuntimeError(f"a worker exited: see {self.folder}/worker-*.log")
-            if time.monotonic() > deadline:
-                raise TimeoutError("the workers did not start consuming")
-            await asyncio.sleep(0.2)
+        try:
+            await common.wait_consumers(
+                count, self.workers, url=self.run.amqp_url, queue=GROUP_QUEUE
+            )
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}: see {self.folder}/worker-*.log") from None
 
     async def connect(self) -> asyncpg.Connection:
         return await asyncpg.connect(self.dsn)

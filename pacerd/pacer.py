@@ -909,11 +909,11 @@ def brake(
         return None
     if refused < BRAKE_RATIO * outcomes:
         return None
-    heavy = refused >= BRAKE_DROP_RATIO * outcomes
+    drop_share = refused >= BRAKE_DROP_RATIO * outcomes
     # a drop once enough outcomes tell it; sooner when most of them are refused
     sure = refused >= BRAKE_SURE_RATIO * outcomes and refused >= 2 * least
-    drop = heavy and (outcomes >= BRAKE_DROP_OUTCOMES or sure)
-    probe = state.ceiling is not None and state.ladder > 0 and not heavy
+    drop = drop_share and (outcomes >= BRAKE_DROP_OUTCOMES or sure)
+    probe = state.ceiling is not None and state.ladder > 0 and not drop_share
     if state.ceiling is not None and not (drop or probe):
         return None  # past slow start, only a capacity that fell: not a probe's few refusals
     sent = max(state.rate, sent or 0.0)
@@ -931,11 +931,11 @@ def brake(
     # window was clean); otherwise cut on the estimate
     rung = state.rate - state.ladder
     floor = rung * (1.0 - p.decrease_margin) if probe else p.decrease_factor * sent
-    rate = min(sent, max(est * (1.0 - p.decrease_margin), floor))
+    rate = _clamp(min(sent, max(est * (1.0 - p.decrease_margin), floor)), p)
     fell = state.ceiling is not None and not probe  # past slow start: a capacity that fell
     return _new_episode(
         state,
-        rate=_clamp(rate, p),
+        rate=rate,
         ceiling=rate if probe else est * (1.0 - p.decrease_margin),
         firm=True,
         heavy=False,
