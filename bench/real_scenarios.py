@@ -2,7 +2,7 @@
 simulation and beside botocore's adaptive client rate limiter, in one run.
 
     apt-get install -y nginx-light                     # once: the limiter we did not write
-    .venv/bin/python -m bench.real_scenarios           # ~9 minutes
+    .venv/bin/python -m bench.real_scenarios           # ~9.5 minutes
     .venv/bin/python -m bench.real_scenarios --only drain,deepcut --no-peer
     .venv/bin/python -m bench.real_scenarios --only S5 --pacing slow_start_factor=2
     .venv/bin/python -m bench.real_scenarios --sim-seeds 10   # the simulation alone, ~1 minute
@@ -39,8 +39,8 @@ Scenarios (times from the resume; the backlog never runs dry unless said):
 
 * ``S1``: 100 → 30 → 80 /s at 0, 20 and 40 s, 60 s, starting at 10/s;
 * ``S3``: 80/s, Retry-After on every 429, a refusal burst (over 10 % of the
-  capacity within a second) closes the upstream for 10 s, 40 s, from 10/s;
-* ``S5``: 100/s from 1/s, 40 s;
+  capacity within a second) closes the upstream for 10 s, 30 s, from 10/s;
+* ``S5``: 100/s from 1/s, 30 s;
 * ``drain``: an overdue backlog of 20 s of capacity (2,000 jobs at 100/s;
   2,400 at nginx's 120/s), from 40 % of capacity, until the last job;
 * ``deepcut``: 100/s (nginx 120/s), 70 % less from 15 s to 35 s, 50 s, from
@@ -170,9 +170,9 @@ def plans(nginx: bool) -> list[Plan]:
     out = [
         Plan(name="S1", upstream="model", phases=((0, 100), (20, 30), (40, 80)), duration=60,
              initial_rate=10),
-        Plan(name="S3", upstream="model", phases=((0, 80),), duration=40, initial_rate=10,
+        Plan(name="S3", upstream="model", phases=((0, 80),), duration=30, initial_rate=10,
              penalty_seconds=10),
-        Plan(name="S5", upstream="model", phases=((0, 100),), duration=40, initial_rate=1),
+        Plan(name="S5", upstream="model", phases=((0, 100),), duration=30, initial_rate=1),
         Plan(name="drain", upstream="model", phases=((0, 100),), duration=90, initial_rate=40,
              backlog=2000),
         Plan(name="deepcut", upstream="model", phases=((0, 100), (15, 30), (35, 100)),
