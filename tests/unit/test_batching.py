@@ -3,11 +3,21 @@ each (``pacerd.batching``): no I/O, a virtual clock."""
 
 from __future__ import annotations
 
+import datetime as dt
+from typing import TYPE_CHECKING, cast
+
 import anyio
 import anyio.lowlevel
 
-from pacerd.batching import ClosedSnapshot, Coalescer
+from pacerd.admission import BRAKE_CHECK_SECONDS
+from pacerd.batching import BRAKE_WINDOW_SECONDS, ClosedSnapshot, Coalescer, SharedLedger
 from pacerd.clock import ManualClock
+from pacerd.models import DestinationRow
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from pacerd.ledger import Ledger
 
 
 class Recorder:
@@ -390,3 +400,74 @@ async def test_callers_cancelled_before_the_statement_are_left_out_of_it() -> No
     assert recorder.batches == [[4]]
     assert served == {4: 40}
     assert abandoned == []
+
+
+NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+
+
+class RowReads:
+    """The ledger under ``SharedLedger``'s reads: records each statement."""
+
+    def __init__(self) -> None:
+        self.reads: list[tuple[list[str], bool]] = []  # (destinations, with in-flight counts)
+
+    async def read_destinations(
+        self, destinations: Sequence[str], now: dt.datetime | None = None, *, inflight: bool = False
+    ) -> dict[str, DestinationRow]:
+        self.reads.append((list(destinations), inflight))
+        return {name: self.row(name) for name in destinations}
+
+    @staticmethod
+    def row(name: str) -> DestinationRow:
+        return DestinationRow(
+            destination=name, paused=False, paused_all=False, cooldown_until=None, epoch=0,
+            pacer_state=None, n_accepted=0, n_refused=0, n_accepted_fresh=0, n_refused_fresh=0,
+            n_retry_after=0, leader=None, leader_since=None, now=NOW,
+        )  # fmt: skip
+
+    async def closed_destinations(self, now: dt.datetime | None = None) -> dict[str, float | None]:
+        return {}
+
+    async def has_due_many(self, keys: list[tuple[str, int]]) -> list[int]:
+        return [0 for _ in keys]
+
+
+async def test_brakes_of_destinations_reading_apart_share_a_statement_within_a_window() -> None:
+    """Each destination's brake reads its row mid-tick at its own phase of the
+    release grid. While another destination braked within the last two
+    checks, a read waits ``BRAKE_WINDOW_SECONDS`` for others, and the reads
+    asked within it go as one statement, each caller getting its own row. A
+    destination braking alone waits for nobody, nor does a tick's own read
+    (with its in-flight count), on the way to its first release."""
+    clock = ManualClock()
+    reads = RowReads()
+    shared = SharedLedger(cast("Ledger", reads), clock=clock)
+    got: dict[str, str | None] = {}
+    w = BRAKE_WINDOW_SECONDS
+
+    async def brake(name: str, after: float) -> None:
+        await clock.sleep_until(clock.monotonic() + after)
+        row = await shared.read_destination(name)
+        got[name] = None if row is None else row.destination
+
+    with anyio.fail_after(5):  # the clock stands still: no window is waited out
+        for _ in range(3):  # alone, check after check
+            await brake("x", 0.0)
+            clock.advance(BRAKE_CHECK_SECONDS)
+        row = await shared.read_destination("t", inflight=True)
+    assert row is not None
+    assert row.destination == "t"
+    assert reads.reads == [(["x"], False)] * 3 + [(["t"], True)]
+
+    reads.reads.clear()
+    clock.advance(1.0)
+    async with anyio.create_task_group() as tg:
+        for name, after in (("a", 0.0), ("b", 0.4 * w), ("c", 0.8 * w), ("d", 2.0 * w)):
+            tg.start_soon(brake, name, after)
+        for _ in range(40):
+            await settle()
+            clock.advance(0.1 * w)
+    # "a" braked alone; "b" found it had, and gathered "c"; "d" waited too
+    assert reads.reads == [(["a"], False), (["b", "c"], False), (["d"], False)]
+    assert got == {"x": "x", "a": "a", "b": "b", "c": "c", "d": "d"}
+    assert shared.statements == {"read_destination": 6, "read_destination_inflight": 1}
