@@ -167,8 +167,15 @@ The law, per destination:
   a round trip past the outcomes heard), and the rest of the tick is
   released at the new rate. In slow start its overshoot is of its own
   making, so the share measures the capacity; slow start ends there, a
-  round trip after its overshoot began rather than a tick later. Past slow
-  start a tick is watched only when its round trip is short
+  round trip after its overshoot began rather than a tick later. That
+  estimate is rough (the ramp's outcomes heard first are of calls a
+  bucket's burst still absorbed), so the ticks after it stay watched until
+  a clean window (``exited``), whatever their round trip: on a long one,
+  a tick at a rate the brake left over the capacity would otherwise
+  release its whole budget before the next tick cut it. Such a tick
+  releases evenly at the brake's rate, so a brake there cuts on the share
+  of what it sent alone, and remembers no peak (an overshoot is no
+  capacity that fell). Past slow start a tick is watched only when its round trip is short
   (:func:`watches`: what is in flight at its start is under
   ``BRAKE_LAG_TICKS`` of a tick's releases), and braked by a capacity
   that fell: ``BRAKE_DROP_RATIO`` of at least ``BRAKE_DROP_OUTCOMES``
@@ -368,6 +375,7 @@ class PacerState(NamedTuple):
     token_wait: bool = False  # the last cut was a short Retry-After's (a token is due)
     since_wait_accepted: int = 0  # ... and the outcomes accepted since it
     dropped: bool = False  # a brake past slow start, and the cuts right after it: none heavy
+    exited: bool = False  # slow start ended at a brake, and no clean window since: watched
     prepaid: bool = False  # the tick before was a reopening: it paid up to this tick
     flat: bool = False  # slow start: the last window's accepted rate stopped growing with the rate
 
@@ -763,6 +771,7 @@ def update_rate(
             epoch=state.epoch + 1,
             episode=False,
             dropped=False,
+            exited=False,
             saved=0.0,
             surplus=0.0,
             ladder=0.0,
@@ -795,6 +804,8 @@ def update_rate(
 
     f_ref = window.refused_fresh
     f_n = window.accepted_fresh + window.refused_fresh
+    if state.exited and f_n > 0 and f_ref == 0:
+        state = state._replace(exited=False)  # a clean window: slow start's brake is past
     episode = f_ref > 0 and f_ref >= _calling(f_n, p)
     if state.episode or state.ceiling is None:
         state = state._replace(acc_refused=0.0, acc_outcomes=0.0)
@@ -880,12 +891,13 @@ def update_rate(
 
 def watches(state: PacerState, params: PacingParams, *, inflight: int) -> bool:
     """Whether a tick in ``state`` may be braked mid-tick: while open, in slow
-    start, and past it when the tick's outcomes come back within a small
-    part of it (``inflight`` jobs at its start, released at ``state.rate``,
-    are under ``BRAKE_LAG_TICKS`` of a tick's worth: a round trip that short)."""
+    start and until a clean window after a brake ended it (``exited``), and
+    past it when the tick's outcomes come back within a small part of it
+    (``inflight`` jobs at its start, released at ``state.rate``, are under
+    ``BRAKE_LAG_TICKS`` of a tick's worth: a round trip that short)."""
     if state.cooling:
         return False
-    if state.ceiling is None:
+    if state.ceiling is None or state.exited:
         return True
     return inflight <= BRAKE_LAG_TICKS * params.tick_seconds * state.rate
 
@@ -921,7 +933,11 @@ def brake(
     n = _outcomes_base(state, params, outcomes, sent * span)
     share = (n - refused + 0.5) / (n + 1.0)
     est = sent * share
-    if span >= BRAKE_MIN_SPAN_S and window.accepted >= BRAKE_MIN_ACCEPTED:
+    # after slow start's brake, the tick releases evenly at the brake's rate:
+    # the share of what it sent measures (the accepted rate since the last
+    # clean reading counts the time before these outcomes began to come)
+    exited = state.exited and state.ceiling is not None
+    if span >= BRAKE_MIN_SPAN_S and window.accepted >= BRAKE_MIN_ACCEPTED and not exited:
         # the outcomes heard left a round trip ago, at a lower point of the
         # ramp than ``sent``; while the upstream refuses, what it accepts
         # per second is its refill rate, whatever was sent
@@ -932,7 +948,8 @@ def brake(
     rung = state.rate - state.ladder
     floor = rung * (1.0 - p.decrease_margin) if probe else p.decrease_factor * sent
     rate = _clamp(min(sent, max(est * (1.0 - p.decrease_margin), floor)), p)
-    fell = state.ceiling is not None and not probe  # past slow start: a capacity that fell
+    # past slow start (and its brake's overshoot): a capacity that fell
+    fell = state.ceiling is not None and not probe and not exited
     return _new_episode(
         state,
         rate=rate,
@@ -947,6 +964,7 @@ def brake(
         # the cuts that follow it, until a clean window, are of no mixed window
         peak=max(state.peak, sent) if fell else state.peak,
         dropped=fell,
+        exited=exited or state.ceiling is None,
     )
 
 

@@ -876,6 +876,43 @@ def test_past_slow_start_a_tick_is_watched_only_when_its_round_trip_is_short(
     assert not pacer.watches(replace(slow_start, cooling=True), P, inflight=0)
 
 
+def test_after_slow_starts_brake_ticks_are_watched_on_any_round_trip_until_a_clean_window() -> None:
+    # slow start braked at 419/s on its first refusals (the burst absorbed
+    # the rest): a rough estimate, 252/s, still well over a capacity of 100/s
+    ramp = replace(initial_state(P, now=T0), rate=189.0, round_trip_s=1.0)
+    first = OutcomeWindow(accepted=31, accepted_fresh=31, refused_fresh=5, interval_seconds=0.12)
+    braked = pacer.brake(ramp, first, P, sent=419.0)
+    assert braked is not None
+    assert braked.ceiling is not None
+    assert braked.rate > 200.0
+    assert braked.exited
+    # a long round trip (300 jobs in flight at 252/s): a tick past slow start
+    # would not be watched, this one is, and so are the ticks after it that
+    # hear a refusal among their few fresh outcomes
+    assert not pacer.watches(replace(braked, exited=False), P, inflight=300)
+    assert pacer.watches(braked, P, inflight=300)
+    few, _ = run(braked, OutcomeWindow(accepted=40, refused=38, accepted_fresh=1,
+                                       refused_fresh=2), full(250))  # fmt: skip
+    assert few.exited
+    assert pacer.watches(few, P, inflight=300)
+    # the tick releases evenly at that rate: the brake cuts on the share of
+    # what it sent (14 of 30 accepted), not on the accepted rate since the
+    # last clean reading (20 over 0.24 s, most of it before these outcomes came)
+    heard = OutcomeWindow(accepted=20, accepted_fresh=14, refused_fresh=16, interval_seconds=0.24)
+    cut = pacer.brake(few, heard, P)
+    assert cut is not None
+    share = (14 + 0.5) / 31
+    assert cut.rate == pytest.approx(few.rate * share * (1 - P.decrease_margin))
+    assert 95.0 <= cut.rate <= 115.0
+    # an overshoot of slow start's making: no capacity fell, no peak to return to
+    assert (cut.peak, cut.dropped) == (0.0, False)
+    assert cut.exited
+    # a clean window ends it: from there on a long round trip is not watched
+    clean, _ = run(cut, OutcomeWindow(accepted=60, accepted_fresh=60), full(int(cut.rate)))
+    assert not clean.exited
+    assert not pacer.watches(clean, P, inflight=300)
+
+
 def test_the_cuts_right_after_a_drops_brake_are_not_heavy_until_a_clean_window() -> None:
     state = pacer.brake(
         at_ceiling(rate=100.0), OutcomeWindow(accepted_fresh=10, refused_fresh=10), P
