@@ -175,10 +175,10 @@ The law, per destination:
   release its whole budget before the next tick cut it. Such a tick
   releases evenly at the brake's rate, so a brake there cuts on the share
   of what it sent alone, and remembers no peak (an overshoot is no
-  capacity that fell). Past slow start a tick is watched only when its round trip is short
-  (:func:`watches`: what is in flight at its start is under
-  ``BRAKE_LAG_TICKS`` of a tick's releases), and braked by a capacity
-  that fell: ``BRAKE_DROP_RATIO`` of at least ``BRAKE_DROP_OUTCOMES``
+  capacity that fell). Past slow start a tick is watched only when its
+  round trip is short (:func:`watches`: what is in flight at its start is
+  under ``BRAKE_LAG_TICKS`` of a tick's releases), and braked by a
+  capacity that fell: ``BRAKE_DROP_RATIO`` of at least ``BRAKE_DROP_OUTCOMES``
   fresh outcomes refused, or ``BRAKE_SURE_RATIO`` of fewer, when they are
   twice the brake's least refusals. Such a brake remembers the rate it
   fell from as a peak. Or by a ladder's probe that overshot (the tick's
