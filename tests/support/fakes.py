@@ -46,6 +46,17 @@ if TYPE_CHECKING:
 EPOCH_AT = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)  # VirtualClock's wall time at 0
 
 
+def quiet_row(
+    destination: str, *, now: dt.datetime = EPOCH_AT, inflight: int | None = None
+) -> DestinationRow:
+    """A destination's row with nothing to tell: open, unled, no outcome yet."""
+    return DestinationRow(
+        destination=destination, paused=False, paused_all=False, cooldown_until=None, epoch=0,
+        pacer_state=None, n_accepted=0, n_refused=0, n_accepted_fresh=0, n_refused_fresh=0,
+        n_retry_after=0, leader=None, leader_since=None, now=now, inflight=inflight,
+    )  # fmt: skip
+
+
 class VirtualClock:
     """``pacerd.clock.Clock`` in virtual time: ``drive`` lets every task run until
     it waits, then moves the time to the earliest sleeper's deadline."""

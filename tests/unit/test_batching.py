@@ -3,21 +3,22 @@ each (``pacerd.batching``): no I/O, a virtual clock."""
 
 from __future__ import annotations
 
-import datetime as dt
 from typing import TYPE_CHECKING, cast
 
 import anyio
 import anyio.lowlevel
+from support.fakes import quiet_row
 
 from pacerd.admission import BRAKE_CHECK_SECONDS
 from pacerd.batching import BRAKE_WINDOW_SECONDS, ClosedSnapshot, Coalescer, SharedLedger
 from pacerd.clock import ManualClock
-from pacerd.models import DestinationRow
 
 if TYPE_CHECKING:
+    import datetime as dt
     from collections.abc import Sequence
 
     from pacerd.ledger import Ledger
+    from pacerd.models import DestinationRow
 
 
 class Recorder:
@@ -402,9 +403,6 @@ async def test_callers_cancelled_before_the_statement_are_left_out_of_it() -> No
     assert abandoned == []
 
 
-NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
-
-
 class RowReads:
     """The ledger under ``SharedLedger``'s reads: records each statement."""
 
@@ -415,15 +413,7 @@ class RowReads:
         self, destinations: Sequence[str], now: dt.datetime | None = None, *, inflight: bool = False
     ) -> dict[str, DestinationRow]:
         self.reads.append((list(destinations), inflight))
-        return {name: self.row(name) for name in destinations}
-
-    @staticmethod
-    def row(name: str) -> DestinationRow:
-        return DestinationRow(
-            destination=name, paused=False, paused_all=False, cooldown_until=None, epoch=0,
-            pacer_state=None, n_accepted=0, n_refused=0, n_accepted_fresh=0, n_refused_fresh=0,
-            n_retry_after=0, leader=None, leader_since=None, now=NOW,
-        )  # fmt: skip
+        return {name: quiet_row(name) for name in destinations}
 
     async def closed_destinations(self, now: dt.datetime | None = None) -> dict[str, float | None]:
         return {}

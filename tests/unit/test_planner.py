@@ -10,6 +10,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 import anyio
+from support.fakes import quiet_row
 
 from pacerd import pacer
 from pacerd.admission import AdmissionConfig, DestinationAdmission
@@ -27,11 +28,7 @@ NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 
 
 def row(name: str) -> DestinationRow:
-    return DestinationRow(
-        destination=name, paused=False, paused_all=False, cooldown_until=None, epoch=0,
-        pacer_state=None, n_accepted=0, n_refused=0, n_accepted_fresh=0, n_refused_fresh=0,
-        n_retry_after=0, leader=None, leader_since=None, now=NOW, inflight=0,
-    )  # fmt: skip
+    return quiet_row(name, now=NOW, inflight=0)
 
 
 def job(name: str, n: int) -> ClaimedJob:
