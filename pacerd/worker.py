@@ -26,7 +26,7 @@ worker first consumes and closed once it has stopped.
 
     @contextlib.asynccontextmanager
     async def lifespan() -> AsyncIterator[None]:
-        async with httpx.AsyncClient() as shared.client:
+        async with aiohttp.ClientSession() as shared.client:
             yield
 
     app = WorkerApp(destinations=["llm"], prefetch=16, lifespan=lifespan)

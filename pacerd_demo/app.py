@@ -3,10 +3,11 @@ calls the model upstream of its destination with its idempotency key, and the
 upstream's answer becomes the outcome (2xx → ok with the token use as detail,
 429 → refused with its Retry-After, 5xx or no answer → retry, other 4xx → fail).
 
-The calls go through one pooled ``httpx.AsyncClient`` per worker process, its
-connections kept alive between calls. The upstreams come from
-``DEMO_UPSTREAMS``, a JSON object mapping each destination to its base URL; the
-app consumes exactly those destinations.
+The calls go through one pooled ``aiohttp.ClientSession`` per worker process,
+its connections kept alive between calls (aiohttp's client costs a tenth of the
+CPU a call that httpx's does: bench/RESULTS.md, "The demo's HTTP client"). The
+upstreams come from ``DEMO_UPSTREAMS``, a JSON object mapping each destination
+to its base URL; the app consumes exactly those destinations.
 
     DEMO_UPSTREAMS='{"llm": "http://127.0.0.1:8081"}' \\
         pacerd worker --app pacerd_demo.app:app -c demo.toml
@@ -19,9 +20,9 @@ import email.utils
 import json
 import math
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import httpx
+import aiohttp
 
 from pacerd.clock import wall_clock_seconds
 from pacerd.worker import Fail, Job, Refused, Retry, WorkerApp
@@ -31,35 +32,36 @@ if TYPE_CHECKING:
 
 ENV_UPSTREAMS = "DEMO_UPSTREAMS"
 
-# Per phase (connect, write, read, waiting for a pooled connection): a call that
-# stalls fails fast and is retried; the handler's deadline bounds the whole call.
+# Per phase (waiting for a pooled connection and connecting, each read of the
+# answer): a call that stalls fails fast and is retried; the handler's deadline
+# bounds the whole call.
 CALL_TIMEOUT_SECONDS = 10.0
 
 
-def call_timeout(seconds: float) -> httpx.Timeout:
-    """Each phase of a call (write, read, a pooled connection) ``seconds``; a connect 3 s."""
-    return httpx.Timeout(seconds, connect=3.0)
+def call_timeout(seconds: float) -> aiohttp.ClientTimeout:
+    """A pooled connection within ``seconds`` (a connect 3 s), each read of the answer too."""
+    return aiohttp.ClientTimeout(total=None, connect=seconds, sock_connect=3.0, sock_read=seconds)
 
 
 TIMEOUT = call_timeout(CALL_TIMEOUT_SECONDS)
 
 
-def new_client(max_connections: int, timeout: httpx.Timeout = TIMEOUT) -> httpx.AsyncClient:
+def new_client(
+    max_connections: int, timeout: aiohttp.ClientTimeout = TIMEOUT
+) -> aiohttp.ClientSession:
     """A client for the upstream calls: ``max_connections`` at once, all kept alive."""
-    limits = httpx.Limits(
-        max_connections=max_connections, max_keepalive_connections=max_connections
-    )
-    return httpx.AsyncClient(limits=limits, timeout=timeout)
+    connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=0)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout)
 
 
 class UpstreamClient:
     """The one pooled client of a worker process: opened by the app's
     ``lifespan`` when the worker starts, closed once it has stopped."""
 
-    def __init__(self, max_connections: int, timeout: httpx.Timeout = TIMEOUT) -> None:
+    def __init__(self, max_connections: int, timeout: aiohttp.ClientTimeout = TIMEOUT) -> None:
         self.max_connections = max_connections
         self.timeout = timeout
-        self._client: httpx.AsyncClient | None = None
+        self._client: aiohttp.ClientSession | None = None
 
     @contextlib.asynccontextmanager
     async def lifespan(self) -> AsyncIterator[None]:
@@ -71,7 +73,7 @@ class UpstreamClient:
                 self._client = None
 
     @property
-    def client(self) -> httpx.AsyncClient:
+    def client(self) -> aiohttp.ClientSession:
         if self._client is None:
             raise RuntimeError("the upstream client is open only while the worker runs")
         return self._client
@@ -91,24 +93,47 @@ def parse_retry_after(value: str | None) -> float | None:
     return max(0.0, seconds) if math.isfinite(seconds) else None
 
 
-async def call_upstream(client: httpx.AsyncClient, base_url: str, job: Job) -> dict[str, Any]:
-    """The job's one side effect: ``POST {base_url}/v1/call`` with its idempotency key."""
+class Answer(NamedTuple):
+    """What the upstream answered a call, read whole."""
+
+    status: int
+    retry_after: str | None  # the ``Retry-After`` header, as sent
+    body: bytes
+
+
+async def post_call(
+    client: aiohttp.ClientSession, base_url: str, payload: Any, idempotency_key: str
+) -> Answer:
+    """``POST {base_url}/v1/call`` with ``payload`` and the key; no answer
+    (connect, timeout, a broken connection) raises ``Retry``."""
+    headers = {"Idempotency-Key": idempotency_key, "Content-Type": "application/json"}
     try:
-        response = await client.post(
-            f"{base_url}/v1/call",
-            content=json.dumps(job.payload).encode(),
-            headers={"Idempotency-Key": job.idempotency_key, "Content-Type": "application/json"},
-        )
-    except (httpx.TransportError, httpx.InvalidURL) as exc:  # no answer: connect, timeout, ...
+        async with client.post(
+            f"{base_url}/v1/call", data=json.dumps(payload).encode(), headers=headers
+        ) as response:
+            body = await response.read()
+            return Answer(response.status, response.headers.get("Retry-After"), body)
+    except (aiohttp.ClientError, TimeoutError) as exc:
         raise Retry(f"upstream unreachable: {exc!r}") from None
-    status = response.status_code
+
+
+def accepted(answer: Answer) -> dict[str, Any]:
+    """The body of an accepted call; any other answer raises its outcome: 429
+    → ``Refused`` with its Retry-After, 5xx → ``Retry``, other 4xx → ``Fail``."""
+    status = answer.status
     if status == 429:  # the upstream's pace: pacerd slows the destination down
-        raise Refused(retry_after_s=parse_retry_after(response.headers.get("retry-after")))
+        raise Refused(retry_after_s=parse_retry_after(answer.retry_after))
     if status >= 500:
         raise Retry(f"upstream answered HTTP {status}")
     if status >= 400:  # the request itself is wrong: running it again would not help
-        raise Fail(f"upstream answered HTTP {status}: {response.content[:200]!r}")
-    answer = response.json()
+        raise Fail(f"upstream answered HTTP {status}: {answer.body[:200]!r}")
+    body = json.loads(answer.body) if answer.body else {}
+    return body if isinstance(body, dict) else {}
+
+
+async def call_upstream(client: aiohttp.ClientSession, base_url: str, job: Job) -> dict[str, Any]:
+    """The job's one side effect, with its idempotency key; the token use as detail."""
+    answer = accepted(await post_call(client, base_url, job.payload, job.idempotency_key))
     return {"tokens": answer.get("tokens"), "duplicate": bool(answer.get("duplicate"))}
 
 

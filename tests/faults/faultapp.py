@@ -3,8 +3,8 @@
 Each job makes one call to the model upstream with an ``Idempotency-Key`` of
 ``job.idempotency_key`` plus the job's revision (so the upstream's record shows
 which revision executed), the way ``pacerd_demo.app`` does (its pooled
-HTTP client and ``Retry-After`` parsing are reused), and the upstream's answer
-becomes the outcome. Around the call it appends one JSON line per event to
+HTTP client, its call and its reading of the answer are reused), and the
+upstream's answer becomes the outcome. Around the call it appends one JSON line per event to
 ``FAULT_CALL_LOG`` (``start`` before the call, ``called`` after it, with the
 status), unbuffered, so a worker killed with SIGKILL leaves an exact trace of
 the calls it made. ``FAULT_HOLD_MS`` holds every handler that long between the
@@ -23,10 +23,8 @@ import os
 import time
 from typing import Any
 
-import httpx
-
-from pacerd.worker import Fail, Job, Refused, Retry, WorkerApp
-from pacerd_demo.app import UpstreamClient, parse_retry_after
+from pacerd.worker import Job, Retry, WorkerApp
+from pacerd_demo.app import UpstreamClient, accepted, post_call
 
 
 def effect_key(job: Job) -> str:
@@ -62,26 +60,16 @@ def build_app(
         base |= {"key": key, "pid": pid}
         log.write(ev="start", t=time.time(), **base)
         try:
-            response = await http.client.post(
-                f"{upstream}/v1/call",
-                content=json.dumps(job.payload).encode(),
-                headers={"Idempotency-Key": key, "Content-Type": "application/json"},
-            )
-        except (httpx.TransportError, httpx.InvalidURL) as exc:
+            answer = await post_call(http.client, upstream, job.payload, key)
+        except Retry:
             log.write(ev="called", t=time.time(), status=0, **base)
-            raise Retry(f"upstream unreachable: {exc!r}") from None
-        status = response.status_code
-        answer = response.json() if status == 200 else {}
-        duplicate = bool(answer.get("duplicate"))
-        log.write(ev="called", t=time.time(), status=status, duplicate=duplicate, **base)
+            raise
+        body = json.loads(answer.body) if answer.status == 200 else {}
+        duplicate = bool(body.get("duplicate"))
+        log.write(ev="called", t=time.time(), status=answer.status, duplicate=duplicate, **base)
         if hold_ms > 0:
             await asyncio.sleep(hold_ms / 1000)
-        if status == 429:
-            raise Refused(retry_after_s=parse_retry_after(response.headers.get("retry-after")))
-        if status >= 500:
-            raise Retry(f"upstream answered HTTP {status}")
-        if status >= 400:
-            raise Fail(f"upstream answered HTTP {status}")
+        accepted(answer)  # any other answer raises its outcome, as the demo's app does
         return {"pid": pid, "key": key, "duplicate": duplicate}
 
     return app
