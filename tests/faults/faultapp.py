@@ -4,12 +4,13 @@ Each job makes one call to the model upstream with an ``Idempotency-Key`` of
 ``job.idempotency_key`` plus the job's revision (so the upstream's record shows
 which revision executed), the way ``pacerd_demo.app`` does (its pooled
 HTTP client, its call and its reading of the answer are reused), and the
-upstream's answer becomes the outcome. Around the call it appends one JSON line per event to
-``FAULT_CALL_LOG`` (``start`` before the call, ``called`` after it, with the
-status), unbuffered, so a worker killed with SIGKILL leaves an exact trace of
-the calls it made. ``FAULT_HOLD_MS`` holds every handler that long between the
-upstream call and its return — the window in which the harness kills workers
-"between the upstream call and the outcome report".
+upstream's answer becomes the outcome. Around the call it appends one JSON
+line per event to ``FAULT_CALL_LOG`` (``start`` before the call, ``called``
+after it, with the status), unbuffered, so a worker killed with SIGKILL
+leaves an exact trace of the calls it made. ``FAULT_HOLD_MS`` holds every
+handler that long between the upstream call and its return — the window in
+which the harness kills workers "between the upstream call and the outcome
+report".
 
 Environment: ``FAULT_UPSTREAM`` (base URL), ``FAULT_DESTINATIONS`` (comma
 separated), ``FAULT_CALL_LOG``, ``FAULT_HOLD_MS``, ``FAULT_PREFETCH``.
@@ -69,7 +70,8 @@ def build_app(
         log.write(ev="called", t=time.time(), status=answer.status, duplicate=duplicate, **base)
         if hold_ms > 0:
             await asyncio.sleep(hold_ms / 1000)
-        accepted(answer)  # any other answer raises its outcome, as the demo's app does
+        if answer.status != 200:  # its body read above: any other answer raises its outcome
+            accepted(answer)
         return {"pid": pid, "key": key, "duplicate": duplicate}
 
     return app
