@@ -1217,13 +1217,14 @@ async def run_destination(
 ) -> None:
     """Runs ticks on the pacer's schedule (each plan's ``next_deadline``: a
     tick that ends late is followed at once by the next, whose budget and
-    spacing the pacer sizes for the time left; ticks missed entirely are
-    skipped, not replayed). A ``PacerdError`` in a pass is logged, the pacer
-    is kept and the loop continues; anything else ends the process. ``stop``
-    ends the loop after the current tick (whose unpublished claims are
-    released). ``until`` gets each pass's result (None when the pass did not
-    tick, or failed) and ends the loop by returning True. ``sleep_until``
-    sleeps between ticks and returns early once ``stop`` is set (by default
+    spacing the pacer sizes for the time to the schedule's next point at
+    least half a tick away; ticks missed entirely are skipped, not
+    replayed). A ``PacerdError`` in a pass is logged, the pacer is kept and
+    the loop continues; anything else ends the process. ``stop`` ends the
+    loop after the current tick (whose unpublished claims are released).
+    ``until`` gets each pass's result (None when the pass did not tick, or
+    failed) and ends the loop by returning True. ``sleep_until`` sleeps
+    between ticks and returns early once ``stop`` is set (by default
     ``sleep_until_or_stop``; the tick loop cuts all of its destinations'
     sleeps short itself, with no task per sleep, through
     ``admission.interrupt``). ``admission.wake`` ends a sleep too.

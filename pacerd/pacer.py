@@ -1168,6 +1168,13 @@ def tick_budget(
     """The tick arithmetic: budget, credit, spacing and the next deadline.
 
     A tick pays for the time since the one before it (``rate x elapsed``).
+    Its deadline is the schedule's next point at least half a tick away: a
+    tick run late, less than half a tick before the next point (the one
+    before it ended late), spans to the point after, rather than paying for
+    a few milliseconds, sending nothing and leaving the next tick a few
+    milliseconds to pay for too. So every tick but a reopening pays for at
+    least half a tick, and at a rate of a job a tick or more no two ticks in
+    a row send nothing.
     A *reopening* tick (``reopening``: run before its deadline because the
     destination opened since the last tick found it closed — its cool-down
     ran out, or it was resumed) keeps the schedule's next point as its
@@ -1186,7 +1193,12 @@ def tick_budget(
     p = params
     elapsed = _elapsed(state, now, p)
     early = reopening and now < state.deadline
-    deadline = state.deadline if early else next_deadline(state.deadline, now, p.tick_seconds)
+    if early:
+        deadline = state.deadline
+    else:  # a tick run late, near the next point, spans to the one after it
+        deadline = next_deadline(state.deadline, now, p.tick_seconds)
+        if deadline - now < p.tick_seconds / 2:
+            deadline += p.tick_seconds
     span = max(deadline - now, 1e-9)
     room = max(0, p.max_inflight - inflight)
     cooldown = cooldown_remaining_s > 0

@@ -1429,10 +1429,13 @@ def rises(samples: Sequence[Sample], *, tolerance: float = 0.0) -> list[tuple[fl
     count unchanged, the later tick having claimed, the rise no more than the
     time between the samples) is the sampling race, not a rise of the age. So
     is a tick with no budget right after one that claimed: a tick that ends
-    late is followed at once by the next, which pays only for the time left
-    until its deadline (``pacer.tick_budget``), often less than a job; the age
-    then grows by the time between the two samples, and the next tick claims.
-    Two ticks in a row with nothing claimed while jobs are due still count."""
+    late is followed at once by the next, which pays for at most CATCH_UP x
+    the rate over its span (``pacer.tick_budget``), sometimes less than a job;
+    the age then grows by the time between the two samples, and the next tick
+    claims. Every tick spans at least half a tick, so at the drill's rates (a
+    job a tick or more) two ticks in a row with no budget do not happen
+    (``test_at_a_job_a_tick_or_more_no_two_ticks_in_a_row_send_nothing``):
+    two ticks in a row with nothing claimed while jobs are due still count."""
     out = []
     aged = [(s, s.oldest_due_age) for s in samples if s.oldest_due_age is not None]
     for (a, age_a), (b, age_b) in itertools.pairwise(aged):

@@ -126,6 +126,49 @@ def test_a_late_tick_never_releases_faster_than_catch_up_times_the_rate() -> Non
     assert 101 <= plan.budget <= 102  # (a fraction may stay as credit)
 
 
+DRILL = replace(P, tick_seconds=0.2, min_rate=6.0, max_rate=6.0)  # 1.2 jobs a tick
+
+
+def test_a_tick_ending_late_near_the_next_point_is_followed_by_one_with_a_job() -> None:
+    """A tick started 0.43 s late (a stalled machine) and ended 0.16 s past
+    its deadline: the next tick, run at once, spans at least half a tick (to
+    the point after), so it pays for the time since the late one (capped at
+    CATCH_UP x the rate over that span) and sends a job; it does not pay 40 ms,
+    send nothing, and leave the next one 40 ms to pay for, sending nothing too."""
+    state = replace(initial_state(DRILL, now=T0), rate=6.0, ceiling=6.0, firm=True, deadline=T0)
+    state, late = pacer.tick_budget(state, now=T0 + 0.43, inflight=0, params=DRILL)
+    assert late.budget == 1
+    assert late.next_deadline == pytest.approx(T0 + 0.6)
+    state, follower = pacer.tick_budget(state, now=T0 + 0.76, inflight=0, params=DRILL)
+    assert follower.next_deadline == pytest.approx(T0 + 1.0)  # not T0 + 0.8, 40 ms on
+    assert follower.budget >= 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    starts=st.lists(st.floats(min_value=0.0, max_value=1.5), min_size=20, max_size=60),
+    works=st.lists(st.floats(min_value=0.0, max_value=2.0), min_size=20, max_size=60),
+)
+def test_at_a_job_a_tick_or_more_no_two_ticks_in_a_row_send_nothing(
+    starts: list[float], works: list[float]
+) -> None:
+    """Ticks start up to 1.5 ticks after their deadline and end up to 2 ticks
+    after their start (a loaded machine); the next starts at once if the one
+    before ended past its deadline. Each tick spans at least half a tick, so
+    at a rate of a job a tick or more, a tick that sends nothing is followed
+    by one that sends (the recovery drill holds the oldest-due age to this)."""
+    tick = DRILL.tick_seconds
+    state = replace(initial_state(DRILL, now=T0), rate=6.0, ceiling=6.0, firm=True, deadline=T0)
+    now, idle = T0, 0
+    for late, work in zip(starts, works, strict=False):
+        state, plan = pacer.tick_budget(state, now=now, inflight=0, params=DRILL)
+        assert plan.next_deadline - now >= tick / 2 - 1e-9
+        idle = idle + 1 if plan.budget == 0 else 0
+        assert idle < 2, (now - T0, plan)
+        ended = now + work * tick
+        now = max(plan.next_deadline + late * tick, ended)
+
+
 def test_deadlines_follow_the_schedule() -> None:
     assert next_deadline(10.0, 10.3, 1.0) == 11.0
     assert next_deadline(10.0, 12.5, 1.0) == 13.0  # 11 and 12 were missed: skipped
