@@ -7,6 +7,7 @@ simulation and beside botocore's adaptive client rate limiter, in one run.
     .venv/bin/python -m bench.real_scenarios --only S5 --pacing slow_start_factor=2
     .venv/bin/python -m bench.real_scenarios --sim-seeds 10   # the simulation alone, ~1 minute
     .venv/bin/python -m bench.real_scenarios --only drain --no-peer --latency-ms 3000  # slow calls
+    .venv/bin/python -m bench.real_scenarios --only drain --calls F   # then: bench.arrivals F
 
 Each scenario runs three ways, one after the other:
 
@@ -771,6 +772,7 @@ async def measure(args: argparse.Namespace) -> str:
     dsn = await common.fresh_ledger(DB)
     rows: list[list[object]] = []
     results: dict[str, dict[str, Any]] = {}
+    calls: dict[str, dict[str, list[list[float]]]] = {}
     try:
         for plan in chosen:
             load = uptime()
@@ -789,6 +791,7 @@ async def measure(args: argparse.Namespace) -> str:
             results[plan.key] = {"load": load, "metrics": got}
             results[plan.key]["per_second"] = {who: per_second(tr) for who, tr in traces.items()}
             results[plan.key]["pacer"] = traces["pacerd"].pacer
+            calls[plan.key] = {who: arrivals(tr) for who, tr in traces.items()}
             for who, m in got.items():
                 rows.append([plan.key, who, *(m.get(c, math.nan) for c in COLUMNS), load])
     finally:
@@ -797,7 +800,15 @@ async def measure(args: argparse.Namespace) -> str:
     if args.json:
         text = json.dumps(results, indent=1, default=str)
         await asyncio.to_thread(Path(args.json).write_text, text)
+    if args.calls:
+        await asyncio.to_thread(Path(args.calls).write_text, json.dumps(calls))
     return common.table(["scenario", "run", *COLUMNS, "load (1/5/15 min)"], rows)
+
+
+def arrivals(tr: Trace) -> list[list[float]]:
+    """Every call of a trace as [arrival, accepted (1) or refused (0)], in
+    arrival order: seconds after the resume, to 0.1 ms."""
+    return [[round(t, 4), float(ok)] for t, ok in sorted(zip(tr.t, tr.ok, strict=True))]
 
 
 def simulate_seeds(chosen: list[Plan], seeds: int) -> str:
@@ -835,6 +846,10 @@ def main() -> None:
     parser.add_argument("--no-peer", action="store_true", help="skip botocore")
     parser.add_argument("--seed", type=int, default=0, help="the simulation's seed")
     parser.add_argument("--json", default=None, help="write the figures to this file")
+    parser.add_argument(
+        "--calls", default=None, metavar="FILE",
+        help="write every call of every run (arrival, accepted) to this file, as JSON",
+    )  # fmt: skip
     parser.add_argument(
         "--sim-seeds", type=int, default=0, metavar="N",
         help="the simulation alone, seeds 0 to N-1 (no services needed)",
