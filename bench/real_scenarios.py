@@ -6,6 +6,7 @@ simulation and beside botocore's adaptive client rate limiter, in one run.
     .venv/bin/python -m bench.real_scenarios --only drain,deepcut --no-peer
     .venv/bin/python -m bench.real_scenarios --only S5 --pacing slow_start_factor=2
     .venv/bin/python -m bench.real_scenarios --sim-seeds 10   # the simulation alone, ~1 minute
+    .venv/bin/python -m bench.real_scenarios --sim-seeds 10 --sim-stalls 60   # with stalls
     .venv/bin/python -m bench.real_scenarios --only drain --no-peer --latency-ms 3000  # slow calls
     .venv/bin/python -m bench.real_scenarios --only drain --calls F   # then: bench.arrivals F
 
@@ -132,6 +133,7 @@ PAUSED_TICKS = 2  # the simulated daemon's ticks on the paused destination befor
 SETTLE_SECONDS = 1.5  # the real daemon's time leading the paused destination before it
 WORKERS = 2
 PEER_THREADS = 16
+SIM_STALL_SECONDS = 0.15  # each stall of the simulation's delivery path (``--sim-stalls``)
 NGINX_RATE, NGINX_BURST = 120.0, 10
 
 
@@ -146,6 +148,7 @@ class Plan:
     penalty_seconds: float = 0.0  # model upstream: Retry-After and a penalty box
     pacing: tuple[tuple[str, str], ...] = ()  # ``--pacing`` KEY=VALUE, both pacerd and sim
     latency_ms: float = LATENCY_MS  # the median call (``--latency-ms``), both pacerd and sim
+    sim_stall_every: float | None = None  # the simulation's stalls (``--sim-stalls``)
 
     @property
     def key(self) -> str:
@@ -716,6 +719,8 @@ def run_sim(plan: Plan, seed: int) -> Trace:
         latency_sigma=LATENCY_SIGMA,
         report_delay_median=REPORT_DELAY_MS / 1000,
         refusal_latency=False,  # the model upstream and nginx answer a 429 at once
+        stall_every_s=plan.sim_stall_every,
+        stall_seconds=SIM_STALL_SECONDS,
     )
     res = simdriver.run(sc, "pacerd", seed)
     tr = Trace(t=[t - resume for t in res.call_t], ok=list(res.call_ok), end=plan.duration)
@@ -757,7 +762,7 @@ async def measure(args: argparse.Namespace) -> str:
             "nginx is not installed: apt-get install -y nginx-light (or run with --no-nginx)"
         )
     chosen = [
-        replace(p, pacing=args.pacing, latency_ms=args.latency_ms)
+        replace(p, pacing=args.pacing, latency_ms=args.latency_ms, sim_stall_every=args.sim_stalls)
         for p in selected(plans(nginx), args.only)
     ]
     for plan in chosen:  # a bad --pacing stops the run before anything starts
@@ -859,12 +864,18 @@ def main() -> None:
         help="a [pacing] key for pacerd and the simulation alike, e.g. slow_start_factor=2",
     )  # fmt: skip
     parser.add_argument(
+        "--sim-stalls", type=float, default=None, metavar="S",
+        help=f"the simulation's delivery path stalls {SIM_STALL_SECONDS:g} s every S s on average",
+    )  # fmt: skip
+    parser.add_argument(
         "--latency-ms", type=float, default=LATENCY_MS, metavar="MS",
         help=f"the upstream's median call, for pacerd and the simulation (default {LATENCY_MS:g})",
     )  # fmt: skip
     args = parser.parse_args()
     if args.latency_ms <= 0:
         parser.error("--latency-ms must be > 0")
+    if args.sim_stalls is not None and args.sim_stalls <= 0:
+        parser.error("--sim-stalls must be > 0")
     args.pacing = tuple(args.pacing)
     started = time.time()
     text = asyncio.run(measure(args))

@@ -21,7 +21,12 @@ synchronous and seeded:
   seeded lognormal report delay; a refusal takes the latency too, or, with
   ``refusal_latency`` off, is answered at once as the model upstream answers
   it (its worker is still held for the drawn latency: with 200 workers the
-  pool is never what binds);
+  pool is never what binds); with ``stall_every_s``, the delivery path
+  *stalls* now and then (a Poisson process of that mean interval, each
+  stall ``stall_seconds`` long): a job that would reach the upstream during
+  a stall reaches it at the stall's end, with every other one held by it —
+  the bunch a busy machine makes of the calls when a broker, a worker or
+  its event loop stops for a moment and catches up;
 - a **ledger** per destination (``SimLedger``): the jobs' states, the due
   backlog ordered by ``next_attempt_at`` (an endless or a finite overdue
   backlog, live jobs arriving as a Poisson process), the claim with its live
@@ -42,6 +47,7 @@ live arrivals) and advances it to a given time without awaiting anything.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -188,6 +194,8 @@ class Scenario:
     report_delay_sigma: float = 0.5
     refusal_latency: bool = True  # a refused call takes the latency too (else: answered at once)
     broker_delay: float = 0.003
+    stall_every_s: float | None = None  # mean time between stalls of the delivery path
+    stall_seconds: float = 0.15
 
     def capacity_at(self, t: float) -> float:
         cap = self.phases[0][1]
@@ -505,6 +513,28 @@ class World:
         for i, led in enumerate(self.ledgers):
             if led.spec.live_rate > 0:
                 self._push(rng.expovariate(led.spec.live_rate), LIVE, i, None)
+        self.stalls = self._stalls(sc, seed)
+
+    @staticmethod
+    def _stalls(sc: Scenario, seed: int) -> list[tuple[float, float]]:
+        """The delivery path's stalls, (start, end), drawn from a generator
+        of their own: a scenario without stalls draws exactly what it drew
+        before they existed."""
+        if sc.stall_every_s is None:
+            return []
+        draw = random.Random(f"{sc.name}/{seed}/stalls")
+        out, t = [], draw.expovariate(1.0 / sc.stall_every_s)
+        while t < sc.duration:
+            out.append((t, t + sc.stall_seconds))
+            t += sc.stall_seconds + draw.expovariate(1.0 / sc.stall_every_s)
+        return out
+
+    def _after_stall(self, t: float) -> float:
+        """``t``, or the end of the stall that holds it."""
+        k = bisect.bisect_right(self.stalls, (t, math.inf)) - 1
+        if k >= 0 and t < self.stalls[k][1]:
+            return self.stalls[k][1]
+        return t
 
     def _push(self, t: float, kind: int, a: int, b: Any) -> None:
         heapq.heappush(self.events, (t, next(self.counter), kind, a, b))
@@ -522,7 +552,7 @@ class World:
         sc, res = self.sc, self.res
         uniform, gauss, exp = self.rng.random, self.rng.gauss, math.exp
         lat_mu, lat_sig = math.log(sc.latency_median), sc.latency_sigma
-        broker = sc.broker_delay
+        broker, stalls = sc.broker_delay, self.stalls
         heappush, heappop = heapq.heappush, heapq.heappop
         events, counter = self.events, self.counter
         for inst, jobs in enumerate(self.pending):
@@ -536,6 +566,8 @@ class World:
                     if job.lane_live:
                         res.live_waits.append(t - job.due)
                 start = max(t + broker * (0.5 + uniform()), heappop(pool))
+                if stalls:
+                    start = self._after_stall(start)
                 job.latency = exp(lat_mu + lat_sig * gauss(0.0, 1.0))
                 heappush(pool, start + job.latency)
                 heappush(events, (start, next(counter), ARR, inst, job))

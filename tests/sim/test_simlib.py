@@ -24,6 +24,7 @@ from simlib import (
     Scenario,
     SimLedger,
     Upstream,
+    World,
 )
 
 from pacerd import pacer
@@ -378,3 +379,22 @@ def test_past_slow_start_the_rate_stays_within_reach_of_workers_slower_than_it(
     pace = sum(1 for t in res.call_t if 15.0 <= t < 60.0) / 45.0
     highest = max(t.rate for t in res.ticks if 15.0 <= t.t < 60.0)
     assert highest <= 1.25 * pacer.RETURN_SHARE**-1 * pace  # the hold and one ladder step
+
+
+def test_the_delivery_path_stalls_and_catches_up_in_a_bunch() -> None:
+    """With ``stall_every_s``, no call reaches the upstream during a stall,
+    and the calls it held arrive together at its end; the stalls are drawn
+    from a generator of their own, so drawing them changes nothing else."""
+    sc = dataclasses.replace(SCENARIOS["S5"], duration=60.0, stall_every_s=5.0, stall_seconds=0.15)
+    res = run(sc, "pacerd", 3)
+    stalls = World(sc, "pacerd", 3).stalls
+    assert len(stalls) >= 4
+    assert all(b - a == pytest.approx(0.15) for a, b in stalls)
+    assert not [t for t in res.call_t if any(a < t < b for a, b in stalls)]
+    at_ends = Counter(t for t in res.call_t if any(t == b for _, b in stalls))
+    assert max(at_ends.values()) >= 10  # the ~15 calls of 0.15 s at 100/s, at once
+    plain = dataclasses.replace(sc, stall_every_s=None)
+    assert World(plain, "pacerd", 3).stalls == []
+    never = dataclasses.replace(sc, stall_every_s=1e9)  # drawn, but none within the run
+    assert World(never, "pacerd", 3).stalls == []
+    assert run(never, "pacerd", 3).call_t == run(plain, "pacerd", 3).call_t
