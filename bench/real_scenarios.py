@@ -205,6 +205,8 @@ class Trace:
     in_ra: float = math.nan  # releases inside an advertised Retry-After window
     # pacerd's persisted pacer state every 0.25 s: (s after the start, rate, ceiling, epoch)
     pacer: list[tuple[float, float, float | None, int]] = field(default_factory=list)
+    # ... and every field of it, as persisted, at the same times (what a cut was made of)
+    pacer_states: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
     # when the ledger applied each outcome, s after the start (pacerd and the simulation)
     outcome_t: list[float] = field(default_factory=list)
 
@@ -527,6 +529,7 @@ async def run_pacerd(dsn: str, plan: Plan) -> Trace:
         done = asyncio.Event()
         driver = asyncio.create_task(drive_capacity(plan, up, t0, done))
         states: list[tuple[float, float, float | None, int]] = []
+        full: list[tuple[float, dict[str, Any]]] = []
         while not driver.done():
             raw = await conn.fetchval(
                 "SELECT pacer_state FROM pacerd.destinations WHERE destination = $1",
@@ -535,6 +538,7 @@ async def run_pacerd(dsn: str, plan: Plan) -> Trace:
             st = (json.loads(raw) if isinstance(raw, str) else raw or {}).get("pacer")
             if st:
                 ceiling = st.get("ceiling")
+                full.append((round(time.time() - t0, 2), st))
                 states.append(
                     (
                         round(time.time() - t0, 2),
@@ -552,7 +556,7 @@ async def run_pacerd(dsn: str, plan: Plan) -> Trace:
             await asyncio.sleep(0.25)
         end = await driver
         tr = await asyncio.to_thread(trace_from, up, t0, end)
-        tr.pacer = states
+        tr.pacer, tr.pacer_states = states, full
         tr.in_ra = float(await releases_in_retry_after(conn))
         tr.outcome_t = await outcomes_applied(conn, t0)
         return tr
@@ -796,6 +800,7 @@ async def measure(args: argparse.Namespace) -> str:
             results[plan.key] = {"load": load, "metrics": got}
             results[plan.key]["per_second"] = {who: per_second(tr) for who, tr in traces.items()}
             results[plan.key]["pacer"] = traces["pacerd"].pacer
+            results[plan.key]["pacer_states"] = traces["pacerd"].pacer_states
             calls[plan.key] = {who: arrivals(tr) for who, tr in traces.items()}
             for who, m in got.items():
                 rows.append([plan.key, who, *(m.get(c, math.nan) for c in COLUMNS), load])
