@@ -38,6 +38,7 @@ ADMIN_DSN = os.environ.get("BENCH_ADMIN_DSN", "postgresql://postgres@127.0.0.1:5
 AMQP_URL = os.environ.get("BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/pacerd-bench")
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
+SIM_DIR = ROOT / "tests" / "sim"
 # the tree whose pacerd a benchmark runs: another checkout's for an A/B, else this one
 PACERD_ROOT = Path(os.environ.get("BENCH_PACERD_ROOT", str(ROOT)))
 DESTINATION = "bench"
@@ -400,3 +401,17 @@ def run(main: Any) -> Any:
     import uvloop
 
     return uvloop.run(main())
+
+
+def simulation_importable() -> None:
+    """Makes the simulation of ``tests/sim`` importable (its modules import
+    each other flatly, and the shared fakes as ``support``), its simulated
+    admission logging only its warnings (it logs as the daemon does)."""
+    import logging
+
+    import structlog
+
+    for folder in (str(SIM_DIR.parent), str(SIM_DIR)):
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))

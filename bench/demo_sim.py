@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import logging
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,7 +34,6 @@ from pacerd_demo.plan import DemoPlan, DestinationPlan, capacity_calls, make_pla
 if TYPE_CHECKING:
     from pacerd.pacer import PacingParams
 
-SIM_DIR = common.ROOT / "tests" / "sim"
 STEP_S = 0.25  # a ramp's steps
 PREFETCH = 32  # the demo app's, per destination and worker
 REPORT_DELAY_S = 0.003
@@ -52,14 +49,10 @@ def demo_pacing(plan: DemoPlan, destination: str) -> PacingParams:
 
 def simulate(plan: DemoPlan, dest: DestinationPlan, seed: int) -> tuple[list[float], list[bool]]:
     """(arrival times, accepted) of every call of one simulated run."""
-    for folder in (str(SIM_DIR.parent), str(SIM_DIR)):  # the shared fakes: ``support``
-        if folder not in sys.path:
-            sys.path.insert(0, folder)
+    common.simulation_importable()
     import simdriver
     import simlib
-    import structlog
 
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     d = plan.duration_seconds
     steps = range(int(d / STEP_S))
     phases = tuple((k * STEP_S, dest.schedule.rate_at((k + 0.5) * STEP_S)) for k in steps)

@@ -78,7 +78,6 @@ import asyncio
 import contextlib
 import http.client
 import json
-import logging
 import math
 import os
 import queue
@@ -123,7 +122,6 @@ app = build_app(
 DB = "pacerd_bench_real"
 VHOST = "pacerd-bench-real"
 AMQP_URL = urlunsplit(urlsplit(common.AMQP_URL)._replace(path=f"/{VHOST}"))
-SIM_DIR = common.ROOT / "tests" / "sim"
 LATENCY_MS, LATENCY_SIGMA = 20.0, 0.35  # 10 to 40 ms per call
 # From a call's answer to its outcome in the ledger through the worker library,
 # the broker and the outcome consumer: ~3 ms on a quiet machine (the runs'
@@ -503,6 +501,10 @@ def spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
     )  # fmt: skip
 
 
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
+
+
 async def run_pacerd(dsn: str, plan: Plan) -> Trace:
     conn = await asyncpg.connect(dsn)
     up = await asyncio.to_thread(start_upstream, plan)
@@ -528,8 +530,7 @@ async def run_pacerd(dsn: str, plan: Plan) -> Trace:
         await conn.execute("SELECT pacerd.resume($1)", common.DESTINATION)
         done = asyncio.Event()
         driver = asyncio.create_task(drive_capacity(plan, up, t0, done))
-        states: list[tuple[float, float, float | None, int]] = []
-        full: list[tuple[float, dict[str, Any]]] = []
+        states: list[tuple[float, dict[str, Any]]] = []
         while not driver.done():
             raw = await conn.fetchval(
                 "SELECT pacer_state FROM pacerd.destinations WHERE destination = $1",
@@ -537,16 +538,7 @@ async def run_pacerd(dsn: str, plan: Plan) -> Trace:
             )
             st = (json.loads(raw) if isinstance(raw, str) else raw or {}).get("pacer")
             if st:
-                ceiling = st.get("ceiling")
-                full.append((round(time.time() - t0, 2), st))
-                states.append(
-                    (
-                        round(time.time() - t0, 2),
-                        round(st["rate"], 1),
-                        None if ceiling is None else round(ceiling, 1),
-                        st.get("epoch", 0),
-                    )
-                )
+                states.append((round(time.time() - t0, 2), st))
             if plan.backlog is not None and not await conn.fetchval(
                 "SELECT count(*) FROM pacerd.jobs WHERE state <> 'completed'"
             ):
@@ -556,7 +548,11 @@ async def run_pacerd(dsn: str, plan: Plan) -> Trace:
             await asyncio.sleep(0.25)
         end = await driver
         tr = await asyncio.to_thread(trace_from, up, t0, end)
-        tr.pacer, tr.pacer_states = states, full
+        tr.pacer_states = states
+        tr.pacer = [
+            (t, round(st["rate"], 1), _rounded(st.get("ceiling")), st.get("epoch", 0))
+            for t, st in states
+        ]
         tr.in_ra = float(await releases_in_retry_after(conn))
         tr.outcome_t = await outcomes_applied(conn, t0)
         return tr
@@ -690,15 +686,9 @@ def pacing_params(plan: Plan) -> PacingParams:
 
 
 def run_sim(plan: Plan, seed: int) -> Trace:
-    for folder in (str(SIM_DIR.parent), str(SIM_DIR)):  # the shared fakes: ``support``
-        if folder not in sys.path:
-            sys.path.insert(0, folder)
+    common.simulation_importable()
     import simdriver
     import simlib
-    import structlog
-
-    # the simulated admission logs as the daemon does; only its warnings here
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
     burst = (NGINX_BURST + 1) / plan.phases[0][1] if plan.upstream == "nginx" else 0.1
     penalty = plan.penalty_seconds or None
